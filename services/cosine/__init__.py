@@ -1,0 +1,3 @@
+"""CoSine: collaborative speculative decoding served as gRPC microservices."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,188 @@
+"""The `cosine` command: prepare models, run the local cluster, stream generations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import time
+
+EPILOG = """examples:
+  cosine zoo                          prepare the default models (first run: about a minute)
+  cosine up                           start the local cluster; Ctrl-C stops it
+  cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
+  cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
+"""
+
+SERVICES = ("router", "scheduler", "fusion", "drafter", "verifier")
+
+
+def _zoo(args) -> int:
+    from cosine.zoo import registry
+
+    if args.action == "path":
+        try:
+            print(registry.path_of(args.name))
+        except FileNotFoundError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        return 0
+    if args.action == "list":
+        entries = registry.list_models()
+        if args.json:
+            print(json.dumps([{"name": e.name, "kind": e.kind, "domain": e.domain, "path": e.path} for e in entries], indent=2))
+        else:
+            for e in entries:
+                print(f"{e.name:14} {e.kind:7} {e.domain:10} {e.path or '(built in)'}")
+        return 0
+    from cosine.zoo.prepare import prepare_all
+
+    for path in prepare_all(force=args.force):
+        print(path)
+    return 0
+
+
+def _up(args) -> int:
+    from cosine.cluster import Cluster, ClusterSpec, stop_saved
+    from cosine.zoo import registry
+
+    if not args.target and registry.find(registry.TARGET) is None:
+        print("preparing the default models first (cosine zoo)...", file=sys.stderr)
+        from cosine.zoo.prepare import prepare_all
+
+        prepare_all()
+    stop_saved()  # a cluster left from an earlier --detach would hold the ports
+    spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level)
+    cluster = Cluster(spec)
+    started = time.monotonic()
+
+    def ready(proc):
+        print(f"  {proc.name:18} SERVING on {proc.address}", file=sys.stderr)
+
+    print("starting the local cluster...", file=sys.stderr)
+    try:
+        cluster.start(timeout_s=args.timeout, progress=ready)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"cosine up failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"router ready at {cluster.router_address} ({time.monotonic() - started:.0f}s)", file=sys.stderr)
+    print(cluster.router_address, flush=True)
+    if args.detach:
+        print("stop it with: cosine down", file=sys.stderr)
+        return 0
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while cluster.alive():
+            time.sleep(0.5)
+        print("a service exited; stopping the cluster", file=sys.stderr)
+        return_code = 1
+    except KeyboardInterrupt:
+        return_code = 0
+    print("stopping...", file=sys.stderr)
+    cluster.stop()
+    return return_code
+
+
+def _down(args) -> int:
+    from cosine.cluster import stop_saved
+
+    if not stop_saved():
+        print("no cluster started by `cosine up --detach` is recorded", file=sys.stderr)
+        return 1
+    print("stopped", file=sys.stderr)
+    return 0
+
+
+def _generate(args) -> int:
+    from cosine.client import GenerateOptions, generate
+
+    options = GenerateOptions(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or [], drafters=args.drafter or [], no_speculation=args.no_speculation,
+        max_depth=args.max_depth, chat=args.chat, timeout=args.timeout,
+    )
+    try:
+        result = generate(args.addr, args.prompt, options, on_text=None if args.json else lambda t: print(t, end="", flush=True))
+    except Exception as exc:  # noqa: BLE001 - a CLI reports, it does not trace back
+        import grpc
+
+        if isinstance(exc, grpc.RpcError):
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        raise
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        s = result["stats"]
+        print(f"\n[{result['finish_reason']}; {len(result['token_ids'])} tokens, {s['rounds']} rounds, "
+              f"{s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted, {result['tokens_per_s']:.1f} tokens/s]",
+              file=sys.stderr)
+    return 0
+
+
+def _serve(args) -> int:
+    import importlib
+
+    module = importlib.import_module(f"cosine.{args.service}.__main__")
+    module.main(args.args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="cosine", description="CoSine: lossless speculative decoding with several drafters, as gRPC services.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    zoo = sub.add_parser("zoo", help="prepare and find models (default: prepare what is missing)")
+    zoo.add_argument("action", nargs="?", choices=["prepare", "list", "path"], default="prepare")
+    zoo.add_argument("name", nargs="?", default="target", help="for path: the model's name (target, lm-2layer, ...)")
+    zoo.add_argument("--json", action="store_true", help="for list: print JSON")
+    zoo.add_argument("--force", action="store_true", help="for prepare: rebuild even if present")
+    zoo.set_defaults(func=_zoo)
+
+    up = sub.add_parser("up", help="start Redis and every service on loopback")
+    up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
+    up.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    up.add_argument("--target", default="", help="target model directory (default: the zoo's)")
+    up.add_argument("--detach", action="store_true", help="return once ready; stop later with `cosine down`")
+    up.add_argument("--timeout", type=float, default=600, help="seconds to wait for every service to be SERVING")
+    up.add_argument("--log-level", default="INFO")
+    up.set_defaults(func=_up)
+
+    down = sub.add_parser("down", help="stop the cluster `cosine up --detach` started")
+    down.set_defaults(func=_down)
+
+    gen = sub.add_parser("generate", help="stream a generation from the router")
+    gen.add_argument("prompt", help="the prompt text (with --chat: the user message)")
+    gen.add_argument("--addr", default="127.0.0.1:50051", help="router address (default 127.0.0.1:50051)")
+    gen.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (server default: 128)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--drafter", action="append", help="drafter to use (repeatable; default: the router chooses)")
+    gen.add_argument("--no-speculation", action="store_true", help="plain decoding through the verifier")
+    gen.add_argument("--max-depth", type=int, default=None, help="draft depth per round")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
+    gen.add_argument("--timeout", type=float, default=600, help="deadline of the call in seconds")
+    gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="run one service in the foreground (as containers do)")
+    serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("args", nargs=argparse.REMAINDER, help="the service's own options (see --help)")
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

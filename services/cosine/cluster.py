@@ -1,0 +1,213 @@
+"""The local cluster: Redis and every service as its own process on loopback (`cosine up`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cosine.common.server import READINESS
+from cosine.zoo.registry import cache_root
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DrafterSpec:
+    name: str
+    kind: str  # lm | ngram
+    model: str = ""
+    domain: str = "general"
+
+
+@dataclass
+class ClusterSpec:
+    router_port: int = 50051
+    redis_url: str = ""  # empty: start a private redis-server
+    target: str = ""  # model dir or zoo name; empty: the zoo's target
+    drafters: list[DrafterSpec] = field(default_factory=lambda: [DrafterSpec("ngram", "ngram"), DrafterSpec("lm-2layer", "lm", "lm-2layer")])
+    default_drafters: list[str] = field(default_factory=lambda: ["ngram"])
+    verifier_threads: int = 2
+    drafter_threads: int = 1
+    log_level: str = "INFO"
+
+
+@dataclass
+class Process:
+    name: str
+    pid: int
+    address: str
+    log: str
+    metrics_port: int | None = None
+    grpc: bool = True
+
+
+def run_dir() -> Path:
+    return cache_root() / "run"
+
+
+def state_file() -> Path:
+    return run_dir() / "cluster.json"
+
+
+class Cluster:
+    """Starts, watches and stops the processes of one local cluster."""
+
+    def __init__(self, spec: ClusterSpec):
+        self.spec = spec
+        self.processes: list[Process] = []
+        self._popen: dict[int, subprocess.Popen] = {}
+        self.router_address = f"127.0.0.1:{spec.router_port}"
+
+    def _spawn(self, name: str, argv: list[str], address: str, metrics_port: int | None, grpc_service: bool = True) -> Process:
+        run_dir().mkdir(parents=True, exist_ok=True)
+        log_path = run_dir() / f"{name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        with open(log_path, "wb") as log:
+            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        self._popen[popen.pid] = popen
+        proc = Process(name, popen.pid, address, str(log_path), metrics_port, grpc_service)
+        self.processes.append(proc)
+        return proc
+
+    def _service(self, name: str, module: str, port: int, *args: str) -> Process:
+        metrics = free_port()
+        argv = [sys.executable, "-m", module, "--port", str(port), "--metrics-port", str(metrics), "--log-level", self.spec.log_level, *args]
+        return self._spawn(name, argv, f"127.0.0.1:{port}", metrics)
+
+    def start(self, timeout_s: float = 600.0, progress=None) -> None:
+        spec = self.spec
+        redis_url = spec.redis_url
+        if not redis_url:
+            binary = shutil.which("redis-server")
+            if binary is None:
+                raise RuntimeError("redis-server not found: install it (apt-get install -y redis-server) or pass --redis-url")
+            port = free_port()
+            self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                        f"127.0.0.1:{port}", None, grpc_service=False)
+            redis_url = f"redis://127.0.0.1:{port}/0"
+        ports = {n: free_port() for n in ("scheduler", "fusion", "verifier")}
+        target = ["--model", spec.target] if spec.target else []
+        self._service("verifier", "cosine.verifier", ports["verifier"], "--threads", str(spec.verifier_threads), *target)
+        endpoints = []
+        for d in spec.drafters:
+            port = free_port()
+            model = ["--model", d.model] if d.model else []
+            self._service(f"drafter-{d.name}", "cosine.drafter", port, "--name", d.name, "--kind", d.kind, "--domain", d.domain,
+                          "--threads", str(spec.drafter_threads), *model)
+            endpoints.append(f"{d.name}=127.0.0.1:{port}")
+        self._service("fusion", "cosine.fusion", ports["fusion"], "--drafters", ",".join(endpoints))
+        self._service("scheduler", "cosine.scheduler", ports["scheduler"], "--verifier", f"127.0.0.1:{ports['verifier']}",
+                      "--fusion", f"127.0.0.1:{ports['fusion']}", "--redis-url", redis_url)
+        self._service("router", "cosine.router", spec.router_port, "--scheduler", f"127.0.0.1:{ports['scheduler']}",
+                      "--fusion", f"127.0.0.1:{ports['fusion']}", "--default-drafters", json.dumps(spec.default_drafters), *target)
+        self.save()
+        try:
+            self.wait_ready(timeout_s, progress)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_ready(self, timeout_s: float, progress=None) -> None:
+        deadline = time.monotonic() + timeout_s
+        pending = [p for p in self.processes if p.grpc]
+        while pending:
+            for proc in list(pending):
+                popen = self._popen.get(proc.pid)
+                if popen is not None and popen.poll() is not None:
+                    raise RuntimeError(f"{proc.name} exited with {popen.returncode}; its log ({proc.log}) ends:\n{tail(proc.log)}")
+                if is_serving(proc.address):
+                    pending.remove(proc)
+                    if progress is not None:
+                        progress(proc)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {[p.name for p in pending]} (logs in {run_dir()})")
+            time.sleep(0.2)
+
+    def save(self) -> None:
+        state = {"router": self.router_address, "processes": [asdict(p) for p in self.processes]}
+        state_file().write_text(json.dumps(state, indent=2))
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self._popen.values())
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        stop_pids([p.pid for p in self.processes], timeout_s, self._popen)
+        self.processes.clear()
+        if state_file().exists():
+            state_file().unlink()
+
+
+def tail(path: str, lines: int = 20) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def is_serving(address: str, service: str = READINESS) -> bool:
+    try:
+        with grpc.insecure_channel(address) as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+            return reply.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def stop_pids(pids: list[int], timeout_s: float = 20.0, popen: dict[int, subprocess.Popen] | None = None) -> None:
+    """SIGTERM each process (they drain), SIGKILL what is left after the timeout. By PID, never by name."""
+    popen = popen or {}
+    for pid in reversed(pids):  # router first, Redis last
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline and _running(pid, popen.get(pid)):
+            time.sleep(0.1)
+        if _running(pid, popen.get(pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if pid in popen:
+            popen[pid].wait()
+
+
+def _running(pid: int, popen: subprocess.Popen | None) -> bool:
+    if popen is not None:
+        return popen.poll() is None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie we are not the parent of counts as gone
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def stop_saved(timeout_s: float = 20.0) -> bool:
+    """Stop the cluster `cosine up --detach` left running; False if none is recorded."""
+    path = state_file()
+    if not path.exists():
+        return False
+    state = json.loads(path.read_text())
+    stop_pids([p["pid"] for p in state["processes"]], timeout_s)
+    path.unlink()
+    return True

@@ -1,0 +1,50 @@
+"""Typed settings shared by every service: environment (COSINE_<SERVICE>_*) and command line."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+S = TypeVar("S", bound="ServiceSettings")
+
+
+class ServiceSettings(BaseSettings):
+    """What every gRPC service is configured with."""
+
+    model_config = SettingsConfigDict(extra="ignore", cli_kebab_case=True, cli_implicit_flags=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(0, ge=0, le=65535, description="gRPC port (0: any free port)")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="Prometheus /metrics port (unset: off, 0: any)")
+    drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
+    shutdown_delay_s: float = Field(0.0, ge=0, description="on SIGTERM, how long to report NOT_SERVING before draining")
+    max_message_mb: int = Field(64, ge=1, description="largest gRPC message sent or received")
+    log_level: str = Field("INFO", description="logging level")
+
+    @classmethod
+    def load(cls: type[S], argv: list[str] | None = None, **overrides: Any) -> S:
+        """Settings from (lowest first) defaults, environment, overrides, and argv when given."""
+        if argv is None:
+            return cls(**overrides)
+        return cls(_cli_parse_args=argv, _cli_prog_name=cls.prog_name(), **overrides)
+
+    @classmethod
+    def prog_name(cls) -> str:
+        return "cosine"
+
+
+class ModelSettings(ServiceSettings):
+    """Settings of a service that holds model weights."""
+
+    model: str = Field("", description="model directory (or a `cosine zoo` name); empty: the zoo's default")
+    device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
+    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (fp32 on CPU, bf16 on CUDA)")
+    threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default)")
+
+    @model_validator(mode="after")
+    def _check_dtype(self) -> "ModelSettings":
+        if self.dtype not in {"auto", "float32", "bfloat16", "float16"}:
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        return self

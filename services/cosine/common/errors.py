@@ -1,0 +1,134 @@
+"""Errors that carry a gRPC status, and the interceptor that turns exceptions into statuses."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+# Statuses of a downstream call that are passed on as they are; anything else becomes INTERNAL.
+_PASSED_ON = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+class ServiceError(Exception):
+    """An error for the caller: its status and a message that tells what to do."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message a caller sees for exc; internals never leak."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    if isinstance(exc, grpc.aio.AioRpcError):
+        if exc.code() in _PASSED_ON:
+            return exc.code(), exc.details() or exc.code().name
+        incident = uuid.uuid4().hex[:8]
+        log.error("downstream call failed (incident %s): %s %s", incident, exc.code(), exc.details())
+        return grpc.StatusCode.INTERNAL, f"internal error in a backend service (incident {incident})"
+    incident = uuid.uuid4().hex[:8]
+    log.exception("unhandled error (incident %s)", incident, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the server log)"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions raised by a handler to a gRPC status without leaking internals.
+
+    Also counts in-flight calls so a draining server can report them, and records
+    each call's outcome with `on_done(method, code, seconds)` when given.
+    """
+
+    def __init__(self, on_done: Callable[[str, grpc.StatusCode, float], None] | None = None):
+        self.in_flight = 0
+        self._on_done = on_done
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                self._wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                self._wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._wrap_stream(handler.stream_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # stream_unary: none of ours
+
+    def _done(self, method: str, code: grpc.StatusCode, started: float) -> None:
+        self.in_flight -= 1
+        if self._on_done is not None:
+            self._on_done(method, code, time.perf_counter() - started)
+
+    def _wrap_unary(self, behavior: Callable[..., Any], method: str):
+        async def wrapper(request, context: grpc.aio.ServicerContext):
+            self.in_flight += 1
+            started, code = time.perf_counter(), grpc.StatusCode.OK
+            try:
+                return await behavior(request, context)
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status
+                code, message = status_of(exc)
+                await context.abort(code, message)
+            finally:
+                self._done(method, code, started)
+
+        return wrapper
+
+    def _wrap_stream(self, behavior: Callable[..., AsyncIterator[Any]], method: str):
+        async def wrapper(request, context: grpc.aio.ServicerContext):
+            self.in_flight += 1
+            started, code = time.perf_counter(), grpc.StatusCode.OK
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except grpc.aio.AbortError:
+                code = context.code() or grpc.StatusCode.UNKNOWN
+                raise
+            except asyncio.CancelledError:
+                code = grpc.StatusCode.CANCELLED
+                raise
+            except Exception as exc:  # noqa: BLE001 - every error becomes a status
+                code, message = status_of(exc)
+                await context.abort(code, message)
+            finally:
+                self._done(method, code, started)
+
+        return wrapper

@@ -1,0 +1,134 @@
+"""One bootstrap for every service: grpc.aio server, health, reflection, metrics, drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from cosine.common.config import ServiceSettings
+from cosine.common.errors import ErrorInterceptor
+from cosine.common.metrics import ServiceMetrics
+
+log = logging.getLogger(__name__)
+
+# Health service names Kubernetes probes ask for (plus "" for the whole server).
+LIVENESS = "liveness"
+READINESS = "readiness"
+
+
+def channel_options(settings: ServiceSettings) -> list[tuple[str, int]]:
+    """Options for servers and for channels between services."""
+    size = settings.max_message_mb * 1024 * 1024
+    return [
+        ("grpc.max_send_message_length", size),
+        ("grpc.max_receive_message_length", size),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ]
+
+
+def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
+    return channel_options(settings) + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+
+
+class GrpcService:
+    """A running service: start it, mark it ready, stop it gracefully.
+
+    `register(server)` adds the servicers and returns their full service names
+    (for reflection and health). `on_stop` runs after the server stopped.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        settings: ServiceSettings,
+        register: Callable[[grpc.aio.Server], Iterable[str]],
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.name = name
+        self.settings = settings
+        self.metrics = ServiceMetrics(name)
+        self._interceptor = ErrorInterceptor(on_done=self._record)
+        self._register = register
+        self._on_stop = on_stop
+        self.server: grpc.aio.Server | None = None
+        self.health = health.aio.HealthServicer()
+        self.port: int | None = None
+        self._service_names: list[str] = []
+        self._stopped = asyncio.Event()
+
+    def _record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
+        self.metrics.record_rpc(method, code, seconds)
+        self.metrics.in_flight.labels(self.name).set(self._interceptor.in_flight)
+
+    @property
+    def in_flight(self) -> int:
+        return self._interceptor.in_flight
+
+    async def start(self) -> int:
+        """Bind, start serving; health is NOT_SERVING for readiness until `set_ready()`."""
+        self.server = grpc.aio.server(interceptors=[self._interceptor], options=server_options(self.settings))
+        self._service_names = list(self._register(self.server))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        if self.port == 0:
+            raise RuntimeError(f"{self.name}: cannot listen on {self.settings.host}:{self.settings.port}")
+        await self.server.start()
+        await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
+        await self._set_ready(False)
+        if self.settings.metrics_port is not None:
+            self.metrics.serve(self.settings.host, self.settings.metrics_port)
+        log.info("%s listening on %s:%d", self.name, self.settings.host, self.port)
+        return self.port
+
+    async def _set_ready(self, ready: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", READINESS, *self._service_names):
+            await self.health.set(service, status)
+
+    async def set_ready(self) -> None:
+        await self._set_ready(True)
+        log.info("%s ready", self.name)
+
+    async def stop(self) -> None:
+        """NOT_SERVING → wait shutdown_delay_s → drain in-flight calls up to drain_timeout_s → stop."""
+        if self.server is None or self._stopped.is_set():
+            return
+        await self._set_ready(False)
+        if self.settings.shutdown_delay_s:
+            await asyncio.sleep(self.settings.shutdown_delay_s)
+        log.info("%s draining %d in-flight calls (up to %.1fs)", self.name, self.in_flight, self.settings.drain_timeout_s)
+        await self.server.stop(grace=self.settings.drain_timeout_s)
+        if self._on_stop is not None:
+            await self._on_stop()
+        self.metrics.close()
+        self._stopped.set()
+        log.info("%s stopped", self.name)
+
+    async def run_until_signal(self) -> None:
+        """Serve until SIGTERM or SIGINT, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_requested.set)
+        await stop_requested.wait()
+        await self.stop()
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("transformers", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

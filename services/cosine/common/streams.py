@@ -1,0 +1,47 @@
+"""Client side of the per-request bidirectional streams between services."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from cosine.common.errors import ServiceError
+
+T = TypeVar("T")
+
+
+async def exchange(call: grpc.aio.StreamStreamCall, message: Any, peer: str) -> Any:
+    """Send one message on a bidi stream and wait for its one reply."""
+    await call.write(message)
+    reply = await call.read()
+    if reply is grpc.aio.EOF:
+        code = await call.code()
+        details = await call.details()
+        raise ServiceError(
+            grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+            f"{peer} ended the stream early: {details or code.name}",
+        )
+    return reply
+
+
+def close_quietly(call: grpc.aio.Call | None) -> None:
+    """Cancel a call that may still be open (the peer then frees what it held for it)."""
+    if call is not None and not call.done():
+        call.cancel()
+
+
+class ModelWorker:
+    """Runs model code on one dedicated thread: torch releases the GIL, the event loop stays free,
+    and per-request caches are never touched by two threads at once."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

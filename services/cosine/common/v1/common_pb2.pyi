@@ -1,0 +1,85 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_EOS: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_CONTEXT: FinishReason
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class SpeculationParams(_message.Message):
+    __slots__ = ("disabled", "drafters", "max_depth")
+    DISABLED_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    disabled: bool
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    max_depth: int
+    def __init__(self, disabled: _Optional[bool] = ..., drafters: _Optional[_Iterable[str]] = ..., max_depth: _Optional[int] = ...) -> None: ...
+
+class Stats(_message.Message):
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "drafters")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("token_ids", "parents", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "kind", "vocab_size", "tokenizer_hash", "max_context", "domain")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DOMAIN_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    vocab_size: int
+    tokenizer_hash: str
+    max_context: int
+    domain: str
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., domain: _Optional[str] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,0 +1,74 @@
+"""Start one drafter service: `python -m cosine.drafter --kind lm --model PATH --name NAME`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from cosine.common.config import ModelSettings
+from cosine.common.server import GrpcService, setup_logging
+from cosine.common.streams import ModelWorker
+from cosine.drafter.service import DrafterServicer
+from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+
+
+class DrafterSettings(ModelSettings):
+    """A drafter service (environment: COSINE_DRAFTER_*)."""
+
+    model_config = ModelSettings.model_config | {"env_prefix": "COSINE_DRAFTER_"}
+
+    name: str = Field("ngram", description="the name requests and fusion use for this drafter")
+    kind: Literal["lm", "ngram"] = Field("ngram", description="lm: a small causal LM; ngram: prompt lookup")
+    domain: str = Field("general", description="the domain this drafter specialises in")
+    max_depth: int = Field(32, ge=1, description="most tokens proposed per step")
+
+
+def build(settings: DrafterSettings):
+    from cosine.engine.drafters import LMDrafter, NgramDrafter
+    from cosine.engine.models import load_causal_lm, tokenizer_fingerprint
+    from cosine.zoo.registry import path_of
+
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    if settings.kind == "ngram":
+        return NgramDrafter(settings.name), ""
+    path = path_of(settings.model or "lm-2layer")
+    model = load_causal_lm(path, settings.device, settings.dtype)
+    return LMDrafter(settings.name, model, settings.domain), tokenizer_fingerprint(path)[1]
+
+
+async def serve(settings: DrafterSettings) -> GrpcService:
+    drafter, tok_hash = build(settings)
+    worker = ModelWorker(f"drafter-{settings.name}")
+    servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth)
+
+    def register(server):
+        drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
+        return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
+
+    async def on_stop():
+        worker.shutdown()
+
+    service = GrpcService(f"drafter-{settings.name}", settings, register, on_stop)
+    await service.start()
+    await service.set_ready()
+    return service
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = DrafterSettings.load(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_level)
+
+    async def run():
+        service = await serve(settings)
+        await service.run_until_signal()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

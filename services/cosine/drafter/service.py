@@ -1,0 +1,58 @@
+"""gRPC adapter of one drafter: a Draft stream per request over an engine Drafter."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from cosine.common.errors import invalid
+from cosine.common.streams import ModelWorker
+from cosine.common.v1 import common_pb2
+from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from cosine.engine.drafters import Drafter
+
+log = logging.getLogger(__name__)
+
+
+class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
+    def __init__(self, drafter: Drafter, worker: ModelWorker, tokenizer_hash: str = "", max_depth: int = 32):
+        self.drafter = drafter
+        self.worker = worker
+        self.tokenizer_hash = tokenizer_hash
+        self.max_depth = max_depth
+
+    async def Info(self, request, context):
+        return common_pb2.ModelInfo(
+            name=self.drafter.name,
+            kind=self.drafter.kind,
+            vocab_size=self.drafter.vocab_size,
+            tokenizer_hash=self.tokenizer_hash,
+            domain=self.drafter.domain,
+        )
+
+    async def Draft(self, request_iterator, context: grpc.aio.ServicerContext):
+        request_id = None
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "open":
+                    if request_id is not None:
+                        raise invalid("Draft stream opened twice")
+                    if not message.open.prompt_token_ids:
+                        raise invalid("Draft open needs the prompt's token ids")
+                    request_id = message.open.request_id
+                    await self.worker.run(self.drafter.open, request_id, list(message.open.prompt_token_ids))
+                elif kind == "step":
+                    if request_id is None:
+                        raise invalid("Draft step before open")
+                    depth = min(message.step.depth, self.max_depth)
+                    tokens, probs = await self.worker.run(
+                        self.drafter.draft, request_id, list(message.step.committed_token_ids), depth
+                    )
+                    yield drafter_pb2.DraftResponse(token_ids=tokens, probs=probs)
+                else:
+                    raise invalid("Draft message has neither open nor step")
+        finally:
+            if request_id is not None:
+                await self.worker.run(self.drafter.release, request_id)

@@ -1,0 +1,40 @@
+from cosine.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftOpen(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DraftStep(_message.Message):
+    __slots__ = ("committed_token_ids", "depth")
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    depth: int
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("open", "step")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    open: DraftOpen
+    step: DraftStep
+    def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("token_ids", "probs")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""Models, KV caches, drafting and lossless verification. No gRPC in here."""

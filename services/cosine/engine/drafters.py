@@ -1,0 +1,150 @@
+"""Drafters: propose the next tokens of a request from what is committed so far.
+
+Every drafter keeps per-request state between rounds (`open` → `draft`* →
+`release`) and sees only committed tokens: what it drafted last round and the
+target rejected is forgotten (caches are cut back to the committed prefix).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Drafter(abc.ABC):
+    """The contract every drafter kind fulfils."""
+
+    name: str
+    kind: str
+    domain: str = "general"
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the output vocabulary (0: works on any token ids)."""
+        return 0
+
+    @abc.abstractmethod
+    def open(self, request_id: str, prompt: list[int]) -> None:
+        """Start a request with its prompt tokens."""
+
+    @abc.abstractmethod
+    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
+        """Append newly committed tokens, then propose up to `depth` tokens with their probabilities."""
+
+    @abc.abstractmethod
+    def release(self, request_id: str) -> None:
+        """Forget a request (idempotent)."""
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._requests()
+
+    @abc.abstractmethod
+    def _requests(self) -> dict: ...
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the latest earlier occurrence of the last n tokens and propose what followed.
+
+    Costs microseconds; pays off because models repeat their prompt and themselves.
+    """
+
+    kind = "ngram"
+
+    def __init__(self, name: str = "ngram", max_ngram: int = 4, min_ngram: int = 1):
+        self.name = name
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self._tokens: dict[str, list[int]] = {}
+
+    def _requests(self) -> dict:
+        return self._tokens
+
+    def open(self, request_id: str, prompt: list[int]) -> None:
+        self._tokens[request_id] = list(prompt)
+
+    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
+        tokens = self._tokens[request_id]
+        tokens.extend(committed)
+        if depth <= 0:
+            return [], []
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            tail = tokens[-n:]
+            # latest earlier match first: recent context predicts best
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == tail:
+                    proposal = tokens[start + n : start + n + depth]
+                    confidence = n / (self.max_ngram + 1)
+                    return proposal, [confidence] * len(proposal)
+        return [], []
+
+    def release(self, request_id: str) -> None:
+        self._tokens.pop(request_id, None)
+
+
+@dataclass
+class _LMSlot:
+    cache: object
+    committed: list[int]
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is in cache
+
+
+class LMDrafter(Drafter):
+    """A small causal LM sharing the target's tokenizer; greedy chain drafting with a KV cache per request."""
+
+    kind = "lm"
+
+    def __init__(self, name: str, model, domain: str = "general"):
+        self.name = name
+        self.model = model
+        self.domain = domain
+        self.device = next(model.parameters()).device
+        self._slots: dict[str, _LMSlot] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def _requests(self) -> dict:
+        return self._slots
+
+    def open(self, request_id: str, prompt: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self._slots[request_id] = _LMSlot(DynamicCache(config=self.model.config), list(prompt))
+
+    def _forward(self, slot: _LMSlot, ids: list[int]) -> torch.Tensor:
+        x = torch.tensor([ids], device=self.device)
+        logits = self.model(input_ids=x, cache=slot.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        slot.cached.extend(ids)
+        return logits.float()  # [vocab]
+
+    @torch.inference_mode()
+    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
+        slot = self._slots[request_id]
+        slot.committed.extend(committed)
+        if depth <= 0:
+            return [], []
+        # keep the cached prefix that is still committed, but always re-feed the last token for its logits
+        keep = 0
+        limit = min(len(slot.cached), len(slot.committed) - 1)
+        while keep < limit and slot.cached[keep] == slot.committed[keep]:
+            keep += 1
+        if keep < len(slot.cached):
+            slot.cache.crop(-(len(slot.cached) - keep))
+            del slot.cached[keep:]
+        logits = self._forward(slot, slot.committed[keep:])
+        tokens: list[int] = []
+        probs: list[float] = []
+        for step in range(depth):
+            p = torch.softmax(logits, dim=-1)
+            tok = int(p.argmax())
+            tokens.append(tok)
+            probs.append(float(p[tok]))
+            if step + 1 < depth:
+                logits = self._forward(slot, [tok])
+        return tokens, probs
+
+    def release(self, request_id: str) -> None:
+        self._slots.pop(request_id, None)

@@ -1,0 +1,88 @@
+"""The target's token choice: greedy, or sampled from its processed distribution.
+
+Sampling is made reproducible per position: the uniform number that picks the
+token at absolute position t comes from a generator seeded by (seed, t). So the
+token at t is a fixed function of the target's distribution there — whatever was
+drafted, however the rounds were cut — and the output of a seeded request is the
+same with speculation on or off. Across seeds the numbers are independent, so
+each token is an exact sample of the target's distribution.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def check(self) -> None:
+        """Raise ValueError with a readable message if a parameter is out of range."""
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"sampling.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {self.top_k}")
+
+
+def _mix(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): well-spread generator seeds."""
+    z = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def uniform_at(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) that chooses the token at `position`."""
+    gen = torch.Generator().manual_seed(_mix(seed, position))
+    return float(torch.rand((), generator=gen, dtype=torch.float64))
+
+
+def target_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Temperature, then top-k, then top-p: [n, vocab] logits → [n, vocab] float64 probabilities."""
+    scaled = logits.double() / sampling.temperature  # [n, vocab]
+    if sampling.top_k and sampling.top_k < scaled.shape[-1]:
+        kth = torch.topk(scaled, sampling.top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= sampling.top_p  # the first token is never dropped
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF sample of one [vocab] distribution with uniform u."""
+    cdf = torch.cumsum(probs, dim=-1)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)).item())
+    index = min(index, probs.shape[-1] - 1)
+    while probs[index] == 0 and index > 0:  # u landed on the edge of a dropped token
+        index -= 1
+    return index
+
+
+def choose_tokens(logits: torch.Tensor, sampling: Sampling, positions: list[int]) -> list[int]:
+    """The target's token for each row of [n, vocab] logits; row i chooses the token at positions[i]."""
+    if sampling.greedy:
+        return logits.argmax(dim=-1).tolist()
+    probs = target_probs(logits, sampling)
+    return [sample_from(probs[i], uniform_at(sampling.seed, pos)) for i, pos in enumerate(positions)]

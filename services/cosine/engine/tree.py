@@ -1,0 +1,76 @@
+"""Token trees and the lossless walk that accepts a path of one (DESIGN §3).
+
+Node i holds token tokens[i] and parent parents[i]; -1 means the last committed
+token. Nodes are in topological order (a parent before its children). A chain of
+n tokens has parents [-1, 0, ..., n-2].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DraftTree:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    probs: list[float] = field(default_factory=list)
+
+    @classmethod
+    def chain(cls, tokens: list[int], probs: list[float] | None = None) -> "DraftTree":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or [1.0] * len(tokens)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError unless this is a well-formed tree over the vocabulary."""
+        if len(self.parents) != len(self.tokens):
+            raise ValueError(f"draft tree has {len(self.tokens)} tokens but {len(self.parents)} parents")
+        for i, (tok, parent) in enumerate(zip(self.tokens, self.parents)):
+            if not -1 <= parent < i:
+                raise ValueError(f"draft tree node {i} has parent {parent}: parents must come first")
+            if not 0 <= tok < vocab_size:
+                raise ValueError(f"draft tree node {i} has token {tok} outside the vocabulary ({vocab_size})")
+
+    def depths(self) -> list[int]:
+        """1-based depth of each node (children of the committed prefix have depth 1)."""
+        depth: list[int] = []
+        for parent in self.parents:
+            depth.append(1 if parent < 0 else depth[parent] + 1)
+        return depth
+
+    def main_chain(self) -> list[int]:
+        """Node indices of the first-child path from the root (the fused chain)."""
+        chain: list[int] = []
+        for i, parent in enumerate(self.parents):
+            if parent == (chain[-1] if chain else -1):
+                chain.append(i)
+        return chain
+
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+
+def walk(tree: DraftTree, target_choice: list[int]) -> tuple[list[int], int]:
+    """Accept the path the target agrees with.
+
+    target_choice[0] is the target's token after the committed prefix and
+    target_choice[i + 1] its token after node i (argmax for greedy; a sample of
+    its processed distribution otherwise). Starting at the root, descend to the
+    child holding the target's token; the first token that no child holds is the
+    bonus token. Returns (accepted node indices, bonus token). Exact for any tree
+    whose tokens are point-mass proposals.
+    """
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):
+        children.setdefault(parent, {}).setdefault(tok, i)
+    path: list[int] = []
+    node = -1
+    while True:
+        y = target_choice[node + 1]
+        nxt = children.get(node, {}).get(y)
+        if nxt is None:
+            return path, y
+        path.append(nxt)
+        node = nxt

@@ -1,0 +1,78 @@
+"""Start the fusion service: `python -m cosine.fusion --drafters ngram=127.0.0.1:50061,...`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import grpc
+from pydantic import Field, field_validator
+
+from cosine.common.config import ServiceSettings
+from cosine.common.server import GrpcService, channel_options, setup_logging
+from cosine.drafter.v1 import drafter_pb2_grpc
+from cosine.fusion.service import FusionServicer
+from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
+
+
+def parse_endpoints(value: str | dict) -> dict[str, str]:
+    """'name=host:port,name=host:port' (or a dict) → {name: address}."""
+    if isinstance(value, dict):
+        return {str(k): str(v) for k, v in value.items()}
+    endpoints = {}
+    for item in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, address = item.partition("=")
+        if not sep or not name or not address:
+            raise ValueError(f"drafter endpoint {item!r} is not NAME=HOST:PORT")
+        endpoints[name] = address
+    return endpoints
+
+
+class FusionSettings(ServiceSettings):
+    """The fusion service (environment: COSINE_FUSION_*)."""
+
+    model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_FUSION_"}
+
+    drafters: str = Field("", description="drafter endpoints: NAME=HOST:PORT,NAME=HOST:PORT")
+
+    @field_validator("drafters")
+    @classmethod
+    def _parse(cls, value: str) -> str:
+        parse_endpoints(value)
+        return value
+
+    @property
+    def endpoints(self) -> dict[str, str]:
+        return parse_endpoints(self.drafters)
+
+
+async def serve(settings: FusionSettings) -> GrpcService:
+    channels = {name: grpc.aio.insecure_channel(addr, options=channel_options(settings)) for name, addr in settings.endpoints.items()}
+    servicer = FusionServicer({name: drafter_pb2_grpc.DrafterStub(ch) for name, ch in channels.items()})
+
+    def register(server):
+        fusion_pb2_grpc.add_FusionServicer_to_server(servicer, server)
+        return [fusion_pb2.DESCRIPTOR.services_by_name["Fusion"].full_name]
+
+    async def on_stop():
+        await asyncio.gather(*(ch.close() for ch in channels.values()))
+
+    service = GrpcService("fusion", settings, register, on_stop)
+    await service.start()
+    await service.set_ready()
+    return service
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = FusionSettings.load(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_level)
+
+    async def run():
+        service = await serve(settings)
+        await service.run_until_signal()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

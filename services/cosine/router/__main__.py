@@ -1,0 +1,84 @@
+"""Start the router (the public Generate stream): `python -m cosine.router --scheduler HOST:PORT`."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import grpc
+from pydantic import Field
+
+from cosine.common.config import ServiceSettings
+from cosine.common.server import GrpcService, channel_options, setup_logging
+from cosine.fusion.v1 import fusion_pb2_grpc
+from cosine.router import policy
+from cosine.router.service import DrafterDirectory, RouterMetrics, RouterServicer
+from cosine.router.v1 import router_pb2, router_pb2_grpc
+from cosine.scheduler.v1 import scheduler_pb2_grpc
+
+
+class RouterSettings(ServiceSettings):
+    """The router (environment: COSINE_ROUTER_*)."""
+
+    model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_ROUTER_"}
+
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port of the public Generate stream")
+    scheduler: str = Field("127.0.0.1:50052", description="scheduler address HOST:PORT")
+    fusion: str = Field("127.0.0.1:50053", description="fusion address, asked which drafters exist")
+    model: str = Field("", description="directory with the target's tokenizer and config (empty: the zoo's target)")
+    default_drafters: list[str] = Field(["ngram"], description="drafters for requests that name none, best first")
+    max_new_tokens_default: int = Field(128, ge=1)
+    max_new_tokens_limit: int = Field(2048, ge=1)
+    max_depth: int = Field(16, ge=0, description="largest speculation.max_depth accepted")
+    api_keys: list[str] = Field([], description="if set, callers must send 'authorization: Bearer <key>'")
+
+
+async def serve(settings: RouterSettings) -> GrpcService:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from cosine.zoo.registry import TARGET, path_of
+
+    path = path_of(settings.model or TARGET)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    max_context = int(getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", 2048))
+    limits = policy.Limits(settings.max_new_tokens_default, settings.max_new_tokens_limit, max_context, max_depth=settings.max_depth)
+    options = channel_options(settings)
+    scheduler_channel = grpc.aio.insecure_channel(settings.scheduler, options=options)
+    fusion_channel = grpc.aio.insecure_channel(settings.fusion, options=options)
+
+    def register(server):
+        router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+        return [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
+
+    async def on_stop():
+        await scheduler_channel.close()
+        await fusion_channel.close()
+
+    service = GrpcService("router", settings, register, on_stop)
+    servicer = RouterServicer(
+        tokenizer,
+        scheduler_pb2_grpc.SchedulerStub(scheduler_channel),
+        DrafterDirectory(fusion_pb2_grpc.FusionStub(fusion_channel)),
+        limits,
+        settings.default_drafters,
+        RouterMetrics(service.metrics.registry),
+        set(settings.api_keys),
+    )
+    await service.start()
+    await service.set_ready()
+    return service
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = RouterSettings.load(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_level)
+
+    async def run():
+        service = await serve(settings)
+        await service.run_until_signal()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Router policy (pure logic): validating a request and choosing its drafters."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from cosine.engine.sampling import Sampling
+
+
+class BadRequest(ValueError):
+    """Input the client must fix; the message says how."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_new_tokens_default: int = 128
+    max_new_tokens_limit: int = 2048
+    max_context: int = 8192
+    max_stop_strings: int = 16
+    max_depth: int = 16
+
+
+@dataclass
+class Admission:
+    """What a validated request asks for, before tokenizing."""
+
+    text: str | None
+    messages: list[dict[str, str]] | None
+    max_new_tokens: int
+    sampling: Sampling
+    stop: list[str]
+    drafters: list[str] = field(default_factory=list)
+    speculate: bool = True
+    max_depth: int | None = None
+
+
+def admit(request, limits: Limits, known_drafters: set[str], default_drafters: list[str], random_seed: int) -> Admission:
+    """Check everything but the token counts; raises BadRequest with a readable message."""
+    has_prompt = len(request.prompt) > 0
+    if has_prompt and request.messages:
+        raise BadRequest("give either prompt or messages, not both")
+    text = messages = None
+    if has_prompt:
+        try:
+            text = request.prompt.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"prompt is not valid UTF-8 (byte {exc.start}): send UTF-8 text") from None
+        if not text.strip():
+            raise BadRequest("prompt is empty (only whitespace)")
+    elif request.messages:
+        messages = []
+        for i, m in enumerate(request.messages):
+            if not m.role:
+                raise BadRequest(f"messages[{i}].role is empty")
+            messages.append({"role": m.role, "content": m.content})
+    else:
+        raise BadRequest("prompt is empty: send prompt (UTF-8 bytes) or messages")
+
+    if request.HasField("max_new_tokens"):
+        max_new = request.max_new_tokens
+        if not 1 <= max_new <= limits.max_new_tokens_limit:
+            raise BadRequest(f"max_new_tokens must be between 1 and {limits.max_new_tokens_limit}, got {max_new}")
+    else:
+        max_new = limits.max_new_tokens_default
+
+    s = request.sampling
+    temperature = s.temperature
+    if not math.isfinite(temperature) or temperature < 0:
+        raise BadRequest(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    top_p = s.top_p if s.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise BadRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
+    seed = s.seed if s.HasField("seed") else random_seed
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=s.top_k, seed=seed)
+
+    stop = list(request.stop)
+    if len(stop) > limits.max_stop_strings:
+        raise BadRequest(f"at most {limits.max_stop_strings} stop strings, got {len(stop)}")
+    if any(not x for x in stop):
+        raise BadRequest("stop strings must not be empty")
+
+    spec = request.speculation
+    drafters = list(dict.fromkeys(spec.drafters))
+    unknown = [d for d in drafters if d not in known_drafters]
+    if unknown:
+        raise BadRequest(f"unknown drafter(s) {unknown}; available: {sorted(known_drafters)}")
+    max_depth = None
+    if spec.HasField("max_depth"):
+        if spec.max_depth > limits.max_depth:
+            raise BadRequest(f"speculation.max_depth must be at most {limits.max_depth}, got {spec.max_depth}")
+        max_depth = spec.max_depth
+    if not drafters:
+        drafters = [d for d in default_drafters if d in known_drafters][:1]
+    return Admission(text, messages, max_new, sampling, stop, drafters, not spec.disabled and bool(drafters), max_depth)
+
+
+def check_lengths(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:
+    if prompt_tokens == 0:
+        raise BadRequest("prompt tokenizes to no tokens")
+    if prompt_tokens + max_new_tokens > limits.max_context:
+        raise BadRequest(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the context limit of "
+            f"{limits.max_context} tokens: shorten the prompt or ask for fewer tokens"
+        )

@@ -1,0 +1,164 @@
+"""gRPC adapter of the router: the public Generate stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+import uuid
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from cosine.common.errors import ServiceError
+from cosine.common.metrics import LATENCY_BUCKETS
+from cosine.common.v1 import common_pb2
+from cosine.fusion.v1 import fusion_pb2_grpc
+from cosine.router import policy
+from cosine.router.detok import StreamText
+from cosine.router.v1 import router_pb2, router_pb2_grpc
+from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class RouterMetrics:
+    def __init__(self, registry):
+        self.requests = Counter("cosine_router_requests_total", "Generate calls by outcome", ["outcome"], registry=registry)
+        self.ttft = Histogram("cosine_router_time_to_first_token_seconds", "time to the first text chunk", buckets=LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram(
+            "cosine_router_time_per_output_token_seconds", "mean time per output token after the first, per request",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1), registry=registry,
+        )
+        self.tokens = Counter("cosine_router_output_tokens_total", "tokens streamed to clients", registry=registry)
+
+
+class DrafterDirectory:
+    """The drafter names the deployment has, asked of fusion and cached for a while."""
+
+    def __init__(self, fusion: fusion_pb2_grpc.FusionStub, ttl_s: float = 10.0):
+        self.fusion = fusion
+        self.ttl_s = ttl_s
+        self._names: set[str] = set()
+        self._fetched = 0.0
+
+    async def names(self, must_have: list[str] = ()) -> set[str]:
+        stale = time.monotonic() - self._fetched > self.ttl_s
+        if stale or any(n not in self._names for n in must_have):
+            try:
+                reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5)
+                self._names = {d.name for d in reply.drafters}
+                self._fetched = time.monotonic()
+            except grpc.aio.AioRpcError as exc:
+                if not self._names:
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"fusion is unreachable: {exc.details()}") from exc
+        return self._names
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, tokenizer, scheduler: scheduler_pb2_grpc.SchedulerStub, drafters: DrafterDirectory,
+                 limits: policy.Limits, default_drafters: list[str], metrics: RouterMetrics, api_keys: set[str] = frozenset()):
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.drafters = drafters
+        self.limits = limits
+        self.default_drafters = default_drafters
+        self.metrics = metrics
+        self.api_keys = set(api_keys)
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.api_keys:
+            return
+        metadata = dict(context.invocation_metadata() or ())
+        auth = metadata.get("authorization", "")
+        key = auth[7:] if auth.lower().startswith("bearer ") else ""
+        if key not in self.api_keys:
+            raise ServiceError(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong API key: send metadata 'authorization: Bearer <key>'")
+
+    def _tokenize(self, admission: policy.Admission) -> list[int]:
+        if admission.text is not None:
+            return list(self.tokenizer(admission.text)["input_ids"])
+        try:
+            ids = self.tokenizer.apply_chat_template(admission.messages, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template error is the client's to fix
+            raise policy.BadRequest(f"messages do not fit the chat template: {exc}") from None
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        outcome = "error"
+        try:
+            self._authenticate(context)
+            rid = request.request_id or uuid.uuid4().hex
+            try:
+                known = await self.drafters.names(list(request.speculation.drafters))
+                admission = policy.admit(request, self.limits, known, self.default_drafters, secrets.randbits(63))
+                prompt_ids = self._tokenize(admission)
+                policy.check_lengths(len(prompt_ids), admission.max_new_tokens, self.limits)
+            except policy.BadRequest as exc:
+                outcome = "invalid"
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+            async for response in self._stream(rid, admission, prompt_ids, context, started):
+                yield response
+            outcome = "ok"
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.metrics.requests.labels(outcome).inc()
+
+    async def _stream(self, rid, admission: policy.Admission, prompt_ids, context, started):
+        s = admission.sampling
+        sampling = common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, seed=s.seed)
+        speculation = common_pb2.SpeculationParams(disabled=not admission.speculate, drafters=admission.drafters if admission.speculate else [])
+        if admission.max_depth is not None:
+            speculation.max_depth = admission.max_depth
+        submit = scheduler_pb2.SubmitRequest(
+            request_id=rid, prompt_token_ids=prompt_ids, max_new_tokens=admission.max_new_tokens, sampling=sampling,
+            speculation=speculation, stop_token_ids=self.stop_token_ids,
+        )
+        call = self.scheduler.Submit(submit, timeout=context.time_remaining())
+        text = StreamText(self.tokenizer, admission.stop)
+        stats = common_pb2.Stats(drafters=list(speculation.drafters))
+        completion = 0
+        first_at = None
+        finish = common_pb2.FINISH_REASON_UNSPECIFIED
+        try:
+            async for reply in call:
+                kind = reply.WhichOneof("kind")
+                if kind == "tokens":
+                    stats.rounds += 1
+                    stats.drafted_tokens += reply.tokens.drafted_tokens
+                    stats.accepted_tokens += reply.tokens.accepted_tokens
+                    ids, delta = text.add(list(reply.tokens.token_ids))
+                    completion += len(ids)
+                    if ids:
+                        first_at = first_at or time.perf_counter()
+                        self.metrics.tokens.inc(len(ids))
+                        yield router_pb2.GenerateResponse(request_id=rid, chunk=router_pb2.Chunk(token_ids=ids, text=delta))
+                    if text.stopped:
+                        finish = common_pb2.FINISH_REASON_STOP
+                        break
+                elif kind == "final":
+                    finish = reply.final.finish_reason
+        finally:
+            call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
+        if finish == common_pb2.FINISH_REASON_UNSPECIFIED:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the stream without a result; retry")
+        tail = text.flush()
+        if tail:
+            yield router_pb2.GenerateResponse(request_id=rid, chunk=router_pb2.Chunk(token_ids=[], text=tail))
+        if first_at is not None:
+            self.metrics.ttft.observe(first_at - started)
+            if completion > 1:
+                self.metrics.tpot.observe((time.perf_counter() - first_at) / (completion - 1))
+        yield router_pb2.GenerateResponse(request_id=rid, final=router_pb2.Final(
+            finish_reason=finish,
+            usage=router_pb2.Usage(prompt_tokens=len(prompt_ids), completion_tokens=completion),
+            stats=stats,
+        ))

@@ -1,0 +1,103 @@
+"""Start the scheduler: `python -m cosine.scheduler --verifier HOST:PORT --fusion HOST:PORT --redis-url URL`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+import grpc
+import redis.asyncio as aioredis
+from pydantic import Field
+
+from cosine.common.config import ServiceSettings
+from cosine.common.server import GrpcService, channel_options, setup_logging
+from cosine.common.state import RequestStore
+from cosine.common.v1 import common_pb2
+from cosine.fusion.v1 import fusion_pb2_grpc
+from cosine.scheduler.service import SchedulerConfig, SchedulerMetrics, SchedulerServicer
+from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+from cosine.verifier.v1 import verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerSettings(ServiceSettings):
+    """The scheduler service (environment: COSINE_SCHEDULER_*)."""
+
+    model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_SCHEDULER_"}
+
+    verifier: str = Field("127.0.0.1:50054", description="verifier address HOST:PORT")
+    fusion: str = Field("127.0.0.1:50053", description="fusion address HOST:PORT")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding request state")
+    state_ttl_s: int = Field(3600, ge=1, description="TTL of a live request's state, refreshed on every write")
+    finished_ttl_s: int = Field(600, ge=1, description="how long an ended request's state is kept")
+    default_depth: int = Field(4, ge=0, description="draft depth per round unless a request says otherwise")
+    max_depth: int = Field(16, ge=0, description="largest draft depth a request may ask for")
+    startup_timeout_s: float = Field(600, ge=1, description="how long to wait for verifier and fusion at start-up")
+
+
+class TokenizerMismatch(RuntimeError):
+    pass
+
+
+async def check_models(verifier: verifier_pb2_grpc.VerifierStub, fusion: fusion_pb2_grpc.FusionStub, timeout: float):
+    """The target's and every drafter's vocabulary must agree; returns (target info, drafter infos)."""
+    target = await verifier.Info(common_pb2.InfoRequest(), wait_for_ready=True, timeout=timeout)
+    drafters = (await fusion.ListDrafters(common_pb2.InfoRequest(), wait_for_ready=True, timeout=timeout)).drafters
+    for d in drafters:
+        if d.vocab_size and d.vocab_size != target.vocab_size:
+            raise TokenizerMismatch(f"drafter {d.name} has vocabulary {d.vocab_size}, the target {target.vocab_size}")
+        if d.tokenizer_hash and target.tokenizer_hash and d.tokenizer_hash != target.tokenizer_hash:
+            raise TokenizerMismatch(f"drafter {d.name}'s tokenizer differs from the target's ({d.tokenizer_hash} vs {target.tokenizer_hash})")
+    return target, list(drafters)
+
+
+async def serve(settings: SchedulerSettings) -> GrpcService:
+    options = channel_options(settings)
+    verifier_channel = grpc.aio.insecure_channel(settings.verifier, options=options)
+    fusion_channel = grpc.aio.insecure_channel(settings.fusion, options=options)
+    verifier = verifier_pb2_grpc.VerifierStub(verifier_channel)
+    fusion = fusion_pb2_grpc.FusionStub(fusion_channel)
+    client = aioredis.from_url(settings.redis_url)
+    await client.ping()
+    store = RequestStore(client, settings.state_ttl_s, settings.finished_ttl_s)
+
+    def register(server):
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+        return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
+
+    async def on_stop():
+        await verifier_channel.close()
+        await fusion_channel.close()
+        await client.aclose()
+
+    service = GrpcService("scheduler", settings, register, on_stop)
+    config = SchedulerConfig(settings.default_depth, settings.max_depth)
+    servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry))
+    await service.start()
+    target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)
+    config.max_context = target.max_context
+    log.info("target %s (vocab %d, context %d); drafters %s", target.name, target.vocab_size, target.max_context,
+             [d.name for d in drafters])
+    await service.set_ready()
+    return service
+
+
+def main(argv: list[str] | None = None) -> None:
+    settings = SchedulerSettings.load(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_level)
+
+    async def run():
+        try:
+            service = await serve(settings)
+        except TokenizerMismatch as exc:
+            log.error("refusing to start: %s", exc)
+            raise SystemExit(2) from exc
+        await service.run_until_signal()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    main()

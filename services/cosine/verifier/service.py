@@ -1,0 +1,84 @@
+"""gRPC adapter of the verifier: one Verify stream per request over the target engine."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from cosine.common.errors import ServiceError, invalid
+from cosine.common.streams import ModelWorker
+from cosine.common.v1 import common_pb2
+from cosine.engine.sampling import Sampling
+from cosine.engine.tree import DraftTree
+from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(
+        temperature=msg.temperature,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k,
+        seed=msg.seed if msg.HasField("seed") else 0,
+    )
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(self, engine, worker: ModelWorker, name: str = "target", tokenizer_hash: str = "", max_slots: int = 256):
+        self.engine = engine
+        self.worker = worker
+        self.name = name
+        self.tokenizer_hash = tokenizer_hash
+        self.max_slots = max_slots
+
+    async def Info(self, request, context):
+        return common_pb2.ModelInfo(
+            name=self.name,
+            kind="target",
+            vocab_size=self.engine.vocab_size,
+            tokenizer_hash=self.tokenizer_hash,
+            max_context=self.engine.max_context,
+        )
+
+    async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
+        request_id = None
+        sampling = Sampling()
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("kind")
+                if kind == "open":
+                    if request_id is not None:
+                        raise invalid("Verify stream opened twice")
+                    committed = list(message.open.committed_token_ids)
+                    if not committed:
+                        raise invalid("Verify open needs the committed token ids")
+                    if len(committed) >= self.engine.max_context:
+                        raise invalid(f"{len(committed)} tokens exceed the target's context of {self.engine.max_context}")
+                    if any(t >= self.engine.vocab_size for t in committed):
+                        raise invalid(f"token ids must be below the vocabulary size {self.engine.vocab_size}")
+                    if len(self.engine) >= self.max_slots:
+                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier holds {self.max_slots} requests already")
+                    sampling = sampling_from_proto(message.open.sampling)
+                    try:
+                        sampling.check()
+                    except ValueError as exc:
+                        raise invalid(str(exc)) from exc
+                    request_id = message.open.request_id
+                    await self.worker.run(self.engine.open, request_id, committed, message.open.prompt_len)
+                elif kind == "round":
+                    if request_id is None:
+                        raise invalid("Verify round before open")
+                    tree = DraftTree(list(message.round.tree.token_ids), list(message.round.tree.parents), list(message.round.tree.probs))
+                    try:
+                        tree.validate(self.engine.vocab_size)
+                    except ValueError as exc:
+                        raise invalid(str(exc)) from exc
+                    outcome = await self.worker.run(self.engine.verify, request_id, tree, sampling)
+                    yield verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft)
+                else:
+                    raise invalid("Verify message has neither open nor round")
+        finally:
+            if request_id is not None:
+                await self.worker.run(self.engine.release, request_id)

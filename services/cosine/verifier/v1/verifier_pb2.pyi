@@ -1,0 +1,44 @@
+from cosine.common.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VerifyOpen(_message.Message):
+    __slots__ = ("request_id", "committed_token_ids", "sampling", "prompt_len")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _common_pb2.SamplingParams
+    prompt_len: int
+    def __init__(self, request_id: _Optional[str] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
+
+class VerifyRound(_message.Message):
+    __slots__ = ("tree",)
+    TREE_FIELD_NUMBER: _ClassVar[int]
+    tree: _common_pb2.DraftTree
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("open", "round")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    open: VerifyOpen
+    round: VerifyRound
+    def __init__(self, open: _Optional[_Union[VerifyOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ...) -> None: ...
+
+class VerifyResponse(_message.Message):
+    __slots__ = ("token_ids", "accepted_draft", "verify_ms")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    accepted_draft: int
+    verify_ms: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted_draft: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,1 @@
+"""The model zoo: where prepared models live, and how they are made."""
