@@ -116,8 +116,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         async def wrapper(request, context: grpc.aio.ServicerContext):
             self.in_flight += 1
             started, code = time.perf_counter(), grpc.StatusCode.OK
+            responses = behavior(request, context)
             try:
-                async for response in behavior(request, context):
+                async for response in responses:
                     yield response
             except grpc.aio.AbortError:
                 code = context.code() or grpc.StatusCode.UNKNOWN
@@ -129,6 +130,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 code, message = status_of(exc)
                 await context.abort(code, message)
             finally:
+                # a cancelled stream leaves the handler suspended at a yield: close it so its own
+                # clean-up (releasing caches, closing downstream calls) runs now, not at garbage collection
+                await responses.aclose()
                 self._done(method, code, started)
 
         return wrapper

@@ -61,6 +61,7 @@ class GrpcService:
         self._register = register
         self._on_stop = on_stop
         self.server: grpc.aio.Server | None = None
+        self.servicer: object | None = None  # the main servicer, for introspection in tests
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
         self._service_names: list[str] = []

@@ -43,5 +43,10 @@ class ModelWorker:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def submit(self, fn: Callable[..., object], *args: Any) -> None:
+        """Queue work without waiting: for clean-up in `finally` blocks, which a cancelled
+        handler may not be able to await. It runs after whatever the thread is doing."""
+        self._pool.submit(fn, *args)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -54,6 +54,7 @@ async def serve(settings: DrafterSettings) -> GrpcService:
         worker.shutdown()
 
     service = GrpcService(f"drafter-{settings.name}", settings, register, on_stop)
+    service.servicer = servicer
     await service.start()
     await service.set_ready()
     return service

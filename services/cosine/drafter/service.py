@@ -55,4 +55,4 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     raise invalid("Draft message has neither open nor step")
         finally:
             if request_id is not None:
-                await self.worker.run(self.drafter.release, request_id)
+                self.worker.submit(self.drafter.release, request_id)

@@ -58,6 +58,7 @@ async def serve(settings: FusionSettings) -> GrpcService:
         await asyncio.gather(*(ch.close() for ch in channels.values()))
 
     service = GrpcService("fusion", settings, register, on_stop)
+    service.servicer = servicer
     await service.start()
     await service.set_ready()
     return service

@@ -64,6 +64,7 @@ async def serve(settings: RouterSettings) -> GrpcService:
         RouterMetrics(service.metrics.registry),
         set(settings.api_keys),
     )
+    service.servicer = servicer
     await service.start()
     await service.set_ready()
     return service

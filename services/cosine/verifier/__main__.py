@@ -43,6 +43,7 @@ async def serve(settings: VerifierSettings) -> GrpcService:
         worker.shutdown()
 
     service = GrpcService("verifier", settings, register, on_stop)
+    service.servicer = servicer
     await service.start()
     await service.set_ready()
     return service

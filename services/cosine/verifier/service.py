@@ -81,4 +81,4 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     raise invalid("Verify message has neither open nor round")
         finally:
             if request_id is not None:
-                await self.worker.run(self.engine.release, request_id)
+                self.worker.submit(self.engine.release, request_id)

@@ -1,0 +1,352 @@
+"""A native Llama-family decoder (Llama, SmolLM, Qwen2-style) over a slot-based KV cache.
+
+It loads an ordinary `transformers` checkpoint directory (config.json plus
+safetensors shards, or a pytorch_model.bin): grouped-query attention, the
+config's RoPE settings (any static `rope_type` transformers knows: default,
+linear, llama3, yarn, ...), rms_norm_eps, tied or separate embeddings, and the
+q/k/v/o biases Qwen2-style checkpoints carry.
+
+`forward(batch, cache)` runs ONE pass over a ragged batch: each `Seq` brings
+its own new tokens, their RoPE positions, the cache slot they extend and,
+optionally, tree parents (node i sees the slot's cached prefix, its ancestors
+and itself; without parents the new tokens are causal). The new tokens' KV is
+written at the slot's next positions, [length, length + n), in the order given;
+the caller decides afterwards what length to keep (see NativeTarget).
+
+Per layer the work is a handful of large ops: q/k/v as one matmul, RoPE on q
+and k together, the KV write, one SDPA call with the query heads of a KV group
+folded into the query length (no repeated K/V), o, and gate/up as one matmul.
+Tokens are packed (no padding) everywhere except inside attention.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cosine.engine.kv_cache import SlotKVCache
+
+LLAMA_FAMILY = {"llama", "qwen2", "mistral", "smollm", "smollm2", "smollm3"}
+
+
+@dataclass
+class Seq:
+    """One request's part of a forward pass."""
+
+    slot: int
+    tokens: list[int]
+    positions: list[int]  # RoPE position of each new token
+    parents: list[int] | None = None  # None: causal chain; else local parent index (-1 = cached prefix)
+    logits: str = "all"  # "all", "last" or "none": which new tokens need logits
+
+
+@dataclass
+class LlamaSpec:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    hidden_act: str = "silu"
+    tie_word_embeddings: bool = True
+    rope: dict = field(default_factory=dict)
+
+
+def spec_from_config(config) -> LlamaSpec:
+    n_heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    return LlamaSpec(
+        vocab_size=int(config.vocab_size),
+        hidden_size=int(config.hidden_size),
+        intermediate_size=int(config.intermediate_size),
+        n_layers=int(config.num_hidden_layers),
+        n_heads=n_heads,
+        n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(config.rms_norm_eps),
+        max_position_embeddings=int(config.max_position_embeddings),
+        hidden_act=str(getattr(config, "hidden_act", "silu")),
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        rope=dict(getattr(config, "rope_parameters", None) or {}),
+    )
+
+
+def rope_inv_freq(config, spec: LlamaSpec, max_positions: int) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [head_dim/2], attention scaling) as transformers computes them."""
+    params = spec.rope or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        base = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        dim = spec.head_dim
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim)), 1.0
+    if rope_type in ("dynamic", "longrope") and max_positions > spec.max_position_embeddings:
+        raise NotImplementedError(f"rope_type {rope_type!r} beyond max_position_embeddings is not supported natively")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+def _load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f)))
+        return state
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if not bins:
+        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
+    state = {}
+    for f in bins:
+        state.update(torch.load(str(f), map_location="cpu", weights_only=True))
+    return state
+
+
+class _Layer:
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b", "down_w", "down_b")
+
+
+class NativeLlama:
+    """Weights plus a forward over a SlotKVCache. Not an nn.Module: plain tensors, inference only."""
+
+    def __init__(self, spec: LlamaSpec, state: dict[str, torch.Tensor], config=None,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32, max_positions: int | None = None):
+        self.spec = spec
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.max_positions = int(max_positions or spec.max_position_embeddings)
+        s = spec
+        if spec.hidden_act not in ("silu", "swish"):
+            raise NotImplementedError(f"hidden_act {spec.hidden_act!r}")
+
+        def w(name: str) -> torch.Tensor:
+            return state[name].to(device=self.device, dtype=dtype).contiguous()
+
+        def opt(name: str) -> torch.Tensor | None:
+            return w(name) if name in state else None
+
+        prefix = "model." if "model.embed_tokens.weight" in state else ""
+        self.embed = w(f"{prefix}embed_tokens.weight")
+        self.norm = w(f"{prefix}norm.weight")
+        self.lm_head = w("lm_head.weight") if ("lm_head.weight" in state and not spec.tie_word_embeddings) else self.embed
+        self.layers: list[_Layer] = []
+        for i in range(s.n_layers):
+            p = f"{prefix}layers.{i}."
+            L = _Layer()
+            L.ln1 = w(p + "input_layernorm.weight")
+            L.ln2 = w(p + "post_attention_layernorm.weight")
+            L.qkv_w = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+            biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+            if any(b is not None for b in biases):
+                sizes = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim)
+                biases = [b if b is not None else torch.zeros(n, device=self.device, dtype=dtype) for b, n in zip(biases, sizes)]
+                L.qkv_b = torch.cat(biases).contiguous()
+            else:
+                L.qkv_b = None
+            L.o_w = w(p + "self_attn.o_proj.weight")
+            L.o_b = opt(p + "self_attn.o_proj.bias")
+            L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
+            gb, ub = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
+            L.gate_up_b = torch.cat([gb, ub]).contiguous() if gb is not None else None
+            L.down_w = w(p + "mlp.down_proj.weight")
+            L.down_b = opt(p + "mlp.down_proj.bias")
+            self.layers.append(L)
+
+        inv_freq, scaling = rope_inv_freq(config, spec, self.max_positions)
+        pos = torch.arange(self.max_positions, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = spec.head_dim // 2
+        cos = emb.cos() * scaling
+        sin = emb.sin() * scaling
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half(x)*sin == roll(x)*sin_signed
+        self.cos = cos.to(device=self.device, dtype=dtype)
+        self.sin = sin_signed.to(device=self.device, dtype=dtype)
+        self.scale = 1.0 / math.sqrt(spec.head_dim)
+
+    # -- loading ----------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
+                        max_positions: int | None = None) -> "NativeLlama":
+        from transformers import AutoConfig
+
+        path = Path(path)
+        config = AutoConfig.from_pretrained(str(path))
+        if getattr(config, "model_type", "") not in LLAMA_FAMILY:
+            raise NotImplementedError(f"model_type {config.model_type!r} is not a Llama-family decoder")
+        if isinstance(dtype, str):
+            from cosine.engine.models import resolve_dtype
+
+            dtype = resolve_dtype(dtype, device)
+        spec = spec_from_config(config)
+        return cls(spec, _load_state_dict(path), config, device=device, dtype=dtype, max_positions=max_positions)
+
+    @staticmethod
+    def supports(path: str | Path) -> bool:
+        try:
+            cfg = json.loads((Path(path) / "config.json").read_text())
+        except (OSError, ValueError):
+            return False
+        return cfg.get("model_type") in LLAMA_FAMILY
+
+    def new_cache(self, n_slots: int, max_len: int | None = None) -> SlotKVCache:
+        s = self.spec
+        return SlotKVCache(s.n_layers, n_slots, s.n_kv_heads, int(max_len or self.max_positions), s.head_dim,
+                           dtype=self.dtype, device=self.device)
+
+    # -- the forward --------------------------------------------------------------------
+
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.spec.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward(self, batch: list[Seq], cache: SlotKVCache) -> list[torch.Tensor | None]:
+        """One pass over the batch; returns per Seq its logits [n_rows, vocab] (float32) or None."""
+        s = self.spec
+        dev = self.device
+        nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
+        nrep = nh // nkv
+        B = len(batch)
+        if B == 0:
+            return []
+        lengths = [len(q.tokens) for q in batch]
+        if min(lengths) < 1:
+            raise ValueError("every Seq needs at least one new token")
+        starts = [cache.lengths[q.slot] for q in batch]
+        T = max(lengths)
+        L = max(st + n for st, n in zip(starts, lengths))
+        slots = [q.slot for q in batch]
+        if len(set(slots)) != B:
+            raise ValueError("a slot appears twice in one batch")
+        for q in batch:
+            cache.expose(q.slot, L)
+
+        # Attention rows: a contiguous range of slots, viewed in place (no gather of the cache).
+        lo, hi = min(slots), max(slots)
+        span = hi - lo + 1
+        use_view = span <= 2 * B + 2
+        if use_view:
+            rows = [sl - lo for sl in slots]
+            R = span
+        else:
+            rows = list(range(B))
+            R = B
+            slot_index = torch.tensor(slots, device=dev)
+
+        flat_tok: list[int] = []
+        flat_pos: list[int] = []
+        flat_slot: list[int] = []
+        flat_store: list[int] = []
+        flat_row: list[int] = []  # index into [R*T] padded attention layout
+        for q, st, n, r in zip(batch, starts, lengths, rows):
+            if len(q.positions) != n:
+                raise ValueError("positions and tokens differ in length")
+            flat_tok.extend(q.tokens)
+            flat_pos.extend(q.positions)
+            flat_slot.extend([q.slot] * n)
+            flat_store.extend(range(st, st + n))
+            flat_row.extend(range(r * T, r * T + n))
+        N = len(flat_tok)
+        if max(flat_pos) >= self.max_positions:
+            raise ValueError(f"position {max(flat_pos)} beyond the model's {self.max_positions}")
+        tok_t = torch.tensor(flat_tok, device=dev)
+        pos_t = torch.tensor(flat_pos, device=dev)
+        slot_t = torch.tensor(flat_slot, device=dev)
+        store_t = torch.tensor(flat_store, device=dev)
+        dense = use_view and R == B and N == R * T and rows == list(range(B))
+        row_t = None if dense else torch.tensor(flat_row, device=dev)
+
+        # Mask [R, 1, T, L]: keys < start are the cached prefix; new keys by causality or tree ancestry.
+        starts_r = [0] * R
+        for st, r in zip(starts, rows):
+            starts_r[r] = st
+        st_t = torch.tensor(starts_r, device=dev)
+        key = torch.arange(L, device=dev)
+        qpos = st_t[:, None] + torch.arange(T, device=dev)[None, :]  # storage index of each query row
+        mask = key[None, None, :] <= qpos[:, :, None]  # causal, [R, T, L]
+        for q, st, n, r in zip(batch, starts, lengths, rows):
+            if q.parents is not None:
+                anc_rows: list[list[bool]] = []
+                for i, p in enumerate(q.parents):
+                    row = list(anc_rows[p]) if p >= 0 else [False] * n
+                    row[i] = True
+                    anc_rows.append(row)
+                anc = torch.tensor(anc_rows, dtype=torch.bool, device=dev)
+                mask[r, :n, st:st + n] = anc
+        mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
+
+        cos = self.cos[pos_t][:, None, :]  # [N, 1, hd]
+        sin = self.sin[pos_t][:, None, :]
+        half = hd // 2
+        qsz, kvsz = nh * hd, nkv * hd
+
+        x = self.embed[tok_t]  # [N, H]
+        for li, layer in enumerate(self.layers):
+            h = self._rms(x, layer.ln1)
+            qkv = F.linear(h, layer.qkv_w, layer.qkv_b)  # [N, (nh + 2 nkv) hd]
+            qk = qkv[:, : qsz + kvsz].view(N, nh + nkv, hd)
+            qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin)
+            k_new = qk[:, nh:]
+            v_new = qkv[:, qsz + kvsz:].view(N, nkv, hd)
+            kl, vl = cache.k[li], cache.v[li]  # [slots, nkv, max_len, hd]
+            kl[slot_t, :, store_t] = k_new
+            vl[slot_t, :, store_t] = v_new
+            qh = qk[:, :nh]  # [N, nh, hd]
+            if dense:
+                qp = qh.reshape(R, T, nh, hd)
+            else:
+                qp = qh.new_zeros(R * T, nh, hd)
+                qp[row_t] = qh
+                qp = qp.view(R, T, nh, hd)
+            qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, nrep * T, hd)
+            if use_view:
+                kk = kl[lo:hi + 1, :, :L]
+                vv = vl[lo:hi + 1, :, :L]
+            else:
+                kk = kl.index_select(0, slot_index)[:, :, :L]
+                vv = vl.index_select(0, slot_index)[:, :, :L]
+            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=mask, scale=self.scale)  # [R, nkv, nrep*T, hd]
+            o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
+            if not dense:
+                o = o[row_t]
+            x = x + F.linear(o, layer.o_w, layer.o_b)
+            h = self._rms(x, layer.ln2)
+            gu = F.linear(h, layer.gate_up_w, layer.gate_up_b)
+            g, u = gu.split(s.intermediate_size, dim=-1)
+            x = x + F.linear(F.silu(g) * u, layer.down_w, layer.down_b)
+
+        for q, st, n in zip(batch, starts, lengths):
+            cache.set_length(q.slot, st + n)
+
+        # Logits only for the rows that need them.
+        want: list[int] = []
+        spans: list[tuple[int, int] | None] = []
+        off = 0
+        for q, n in zip(batch, lengths):
+            if q.logits == "all":
+                spans.append((len(want), n))
+                want.extend(range(off, off + n))
+            elif q.logits == "last":
+                spans.append((len(want), 1))
+                want.append(off + n - 1)
+            else:
+                spans.append(None)
+            off += n
+        if not want:
+            return [None] * B
+        hx = x if len(want) == N else x[torch.tensor(want, device=dev)]
+        logits = F.linear(self._rms(hx, self.norm), self.lm_head).float()
+        return [None if sp is None else logits[sp[0]: sp[0] + sp[1]] for sp in spans]

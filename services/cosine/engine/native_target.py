@@ -1,0 +1,162 @@
+"""The target on the native Llama engine: a cache slot per request, ragged batches, token trees.
+
+Same interface as HFTarget (open / verify / release / committed, vocab_size,
+max_context, len, in) so the verifier can switch, plus `verify_batch`, which
+verifies the trees of many requests in ONE forward pass, and `open_batch`,
+`truncate`.
+
+Invariant (as in HFTarget): a request's slot holds the KV of every committed
+token but the last. A round feeds [last committed] + the tree's nodes, written
+at the slot's next positions in node order, with RoPE positions by depth and a
+mask that lets each node see the committed prefix and its own ancestors only.
+After the walk, the accepted nodes' KV is moved into place (a copy within that
+slot only, none when the accepted path is already contiguous, as for chains) and
+the slot's length is set: rejected nodes are forgotten by bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cosine.engine.acceptance import rejection_sample
+from cosine.engine.hf_target import VerifyOutcome
+from cosine.engine.llama import NativeLlama, Seq
+from cosine.engine.sampling import Sampling, choose_tokens, target_probs, uniform_at
+from cosine.engine.tree import DraftTree, walk
+
+_ACCEPT_SALT = 0x5DEECE66D  # accept/reject uniforms: a stream apart from the sampling one
+
+
+@dataclass
+class _Request:
+    slot: int
+    tokens: list[int]
+    prompt_len: int
+
+
+class NativeTarget:
+    """Verifies draft trees for many requests, batched, over one slot-based KV cache."""
+
+    def __init__(self, model: NativeLlama, max_context: int | None = None, n_slots: int = 8):
+        self.model = model
+        self.device = model.device
+        self.vocab_size = int(model.spec.vocab_size)
+        self.max_context = int(max_context or min(model.max_positions, 4096))
+        if self.max_context > model.max_positions:
+            raise ValueError(f"max_context {self.max_context} beyond the model's {model.max_positions} positions")
+        self.cache = model.new_cache(n_slots, self.max_context)
+        self._reqs: dict[str, _Request] = {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "auto",
+                        n_slots: int = 8, max_context: int | None = None) -> "NativeTarget":
+        return cls(NativeLlama.from_pretrained(path, device=device, dtype=dtype), max_context, n_slots)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def committed(self, request_id: str) -> list[int]:
+        return list(self._reqs[request_id].tokens)
+
+    def slot_of(self, request_id: str) -> int:
+        return self._reqs[request_id].slot
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    def open(self, request_id: str, committed: list[int], prompt_len: int) -> None:
+        """Prefill every committed token but the last."""
+        self.open_batch([(request_id, committed, prompt_len)])
+
+    def open_batch(self, items: list[tuple[str, list[int], int]]) -> None:
+        """Prefill several requests in one forward pass."""
+        batch: list[Seq] = []
+        for request_id, committed, prompt_len in items:
+            if not committed:
+                raise ValueError("a request needs at least one committed token")
+            if len(committed) > self.max_context:
+                raise ValueError(f"{len(committed)} tokens exceed max_context {self.max_context}")
+            self.release(request_id)
+            slot = self.cache.allocate()
+            self._reqs[request_id] = _Request(slot, list(committed), prompt_len)
+            if len(committed) > 1:
+                n = len(committed) - 1
+                batch.append(Seq(slot, list(committed[:-1]), list(range(n)), logits="none"))
+        if batch:
+            self.model.forward(batch, self.cache)
+
+    def truncate(self, request_id: str, n_tokens: int) -> None:
+        """Cut a request back to its first n_tokens committed tokens (bookkeeping only)."""
+        req = self._reqs[request_id]
+        if not 1 <= n_tokens <= len(req.tokens):
+            raise ValueError(f"cannot cut {len(req.tokens)} committed tokens to {n_tokens}")
+        del req.tokens[n_tokens:]
+        self.cache.truncate(req.slot, n_tokens - 1)
+
+    def release(self, request_id: str) -> None:
+        req = self._reqs.pop(request_id, None)
+        if req is not None:
+            self.cache.release(req.slot)
+
+    # -- verification -------------------------------------------------------------------
+
+    def verify(self, request_id: str, tree: DraftTree, sampling: Sampling) -> VerifyOutcome:
+        return self.verify_batch([(request_id, tree, sampling)])[0]
+
+    def verify_batch(self, items: list[tuple]) -> list[VerifyOutcome]:
+        """ONE forward for all items: (request_id, tree, sampling) or (request_id, chain, sampling, q).
+
+        With q (a [len(chain), vocab] tensor: the drafter's distribution each
+        chain token was sampled from) and sampling on, the chain is accepted by
+        rejection sampling; otherwise by the point-mass walk.
+        """
+        batch: list[Seq] = []
+        metas = []
+        for item in items:
+            request_id, tree, sampling = item[0], item[1], item[2]
+            q = item[3] if len(item) > 3 else None
+            req = self._reqs[request_id]
+            n_ctx = len(req.tokens)
+            if n_ctx + len(tree) > self.max_context:
+                raise ValueError(f"request {request_id}: {n_ctx} + {len(tree)} tokens exceed max_context {self.max_context}")
+            if self.cache.lengths[req.slot] != n_ctx - 1:
+                raise RuntimeError(f"request {request_id}: cache holds {self.cache.lengths[req.slot]} tokens, expected {n_ctx - 1}")
+            depths = tree.depths()
+            positions = [n_ctx - 1] + [n_ctx - 1 + d for d in depths]
+            chain = tree.is_chain()
+            parents = None if chain else [-1] + [p + 1 for p in tree.parents]
+            batch.append(Seq(req.slot, [req.tokens[-1], *tree.tokens], positions, parents))
+            metas.append((req, tree, sampling, q, n_ctx, depths))
+        logits_list = self.model.forward(batch, self.cache)
+
+        outcomes: list[VerifyOutcome] = []
+        for (req, tree, sampling, q, n_ctx, depths), logits in zip(metas, logits_list):
+            start = n_ctx - 1  # storage index of the last committed token
+            if q is not None and not sampling.greedy and tree.is_chain() and len(tree):
+                accepted, bonus = self._reject(logits, tree, sampling, q, n_ctx)
+                path = list(range(len(accepted)))
+            else:
+                choice = choose_tokens(logits, sampling, [n_ctx] + [n_ctx + d for d in depths])
+                path, bonus = walk(tree, choice)
+                accepted = [tree.tokens[i] for i in path]
+            self.cache.move(req.slot, [start + 1 + i for i in path], [start + 1 + j for j in range(len(path))])
+            self.cache.set_length(req.slot, start + 1 + len(path))
+            req.tokens.extend(accepted)
+            req.tokens.append(bonus)
+            outcomes.append(VerifyOutcome(accepted + [bonus], len(accepted)))
+        return outcomes
+
+    def _reject(self, logits, tree: DraftTree, sampling: Sampling, q: torch.Tensor, n_ctx: int):
+        k = len(tree)
+        p = target_probs(logits, sampling)[None]  # [1, k+1, V]
+        positions = [n_ctx + j for j in range(k + 1)]
+        u_acc = torch.tensor([[uniform_at(sampling.seed ^ _ACCEPT_SALT, t) for t in positions[:k]]], dtype=torch.float64)
+        u_smp = torch.tensor([[uniform_at(sampling.seed, t) for t in positions]], dtype=torch.float64)
+        out, n_acc = rejection_sample(torch.tensor([tree.tokens]), q.to(p.device)[None], p, u_acc, u_smp)
+        n = int(n_acc[0])
+        return tree.tokens[:n], int(out[0, n])

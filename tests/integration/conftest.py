@@ -1,0 +1,48 @@
+"""All five services in this process, on port 0, with tiny models and a real Redis server."""
+
+from __future__ import annotations
+
+import pytest
+
+from cosine.drafter.__main__ import DrafterSettings
+from cosine.drafter.__main__ import serve as serve_drafter
+from cosine.fusion.__main__ import FusionSettings
+from cosine.fusion.__main__ import serve as serve_fusion
+from cosine.router.__main__ import RouterSettings
+from cosine.router.__main__ import serve as serve_router
+from cosine.scheduler.__main__ import SchedulerSettings
+from cosine.scheduler.__main__ import serve as serve_scheduler
+from cosine.verifier.__main__ import VerifierSettings
+from cosine.verifier.__main__ import serve as serve_verifier
+
+
+class LocalServices:
+    def __init__(self, services: dict):
+        self.services = services
+
+    def __getitem__(self, name):
+        return self.services[name]
+
+    @property
+    def router(self) -> str:
+        return f"127.0.0.1:{self.services['router'].port}"
+
+
+@pytest.fixture(scope="session")
+async def services(tiny_dirs, redis_server):
+    started = {}
+    common = {"port": 0, "drain_timeout_s": 1.0}
+    started["verifier"] = await serve_verifier(VerifierSettings(model=str(tiny_dirs["target"]), threads=1, **common))
+    started["drafter-ngram"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **common))
+    started["drafter-tiny"] = await serve_drafter(DrafterSettings(name="tiny", kind="lm", model=str(tiny_dirs["drafter"]), threads=1, **common))
+    endpoints = f"ngram=127.0.0.1:{started['drafter-ngram'].port},tiny=127.0.0.1:{started['drafter-tiny'].port}"
+    started["fusion"] = await serve_fusion(FusionSettings(drafters=endpoints, metrics_port=0, **common))
+    started["scheduler"] = await serve_scheduler(SchedulerSettings(
+        verifier=f"127.0.0.1:{started['verifier'].port}", fusion=f"127.0.0.1:{started['fusion'].port}",
+        redis_url=redis_server, metrics_port=0, startup_timeout_s=30, **common))
+    started["router"] = await serve_router(RouterSettings(
+        scheduler=f"127.0.0.1:{started['scheduler'].port}", fusion=f"127.0.0.1:{started['fusion'].port}",
+        model=str(tiny_dirs["target"]), max_new_tokens_limit=256, metrics_port=0, **common))
+    yield LocalServices(started)
+    for name in ("router", "scheduler", "fusion", "drafter-tiny", "drafter-ngram", "verifier"):
+        await started[name].stop()

@@ -1,0 +1,49 @@
+"""Request state in a real Redis: fenced commits, TTLs on every key."""
+
+import redis.asyncio as aioredis
+import pytest
+
+from cosine.common.state import RequestStore, StaleCommit, req_key, tokens_key
+
+
+@pytest.fixture
+async def store(redis_server):
+    client = aioredis.from_url(redis_server)
+    yield RequestStore(client, ttl_s=100, finished_ttl_s=50)
+    await client.aclose()
+
+
+async def test_commit_is_fenced_by_step(store):
+    assert await store.create("s1", [1, 2, 3], {"temperature": 0}, {"max_new_tokens": 8})
+    step = await store.commit("s1", 0, [4, 5], drafted=3, accepted=1)
+    assert step == 1
+    with pytest.raises(StaleCommit):
+        await store.commit("s1", 0, [9], drafted=0, accepted=0)  # a replayed round changes nothing
+    step = await store.commit("s1", step, [6], drafted=2, accepted=0)
+    state = await store.load("s1")
+    assert state.token_ids == [4, 5, 6] and state.step == 2 and state.rounds == 2
+    assert (state.drafted, state.accepted) == (5, 1)
+    assert state.prompt_token_ids == [1, 2, 3]
+
+
+async def test_every_key_has_a_ttl(store):
+    await store.create("s2", [1], {}, {})
+    await store.commit("s2", 0, [7], 0, 0)
+    for key in (req_key("s2"), tokens_key("s2")):
+        assert 0 < await store.client.ttl(key) <= 100
+    await store.finish("s2", "cancelled")
+    for key in (req_key("s2"), tokens_key("s2")):
+        assert 0 < await store.client.ttl(key) <= 50
+    assert (await store.load("s2")).status == "cancelled"
+
+
+async def test_running_ids_are_unique_but_ended_ones_can_be_reused(store):
+    assert await store.create("s3", [1], {}, {})
+    assert not await store.create("s3", [2], {}, {})
+    await store.finish("s3", "finished")
+    assert await store.create("s3", [2], {}, {})
+    assert (await store.load("s3")).token_ids == []
+
+
+async def test_keys_share_a_cluster_slot():
+    assert req_key("abc").split("}")[0] == tokens_key("abc").split("}")[0] == "cosine:{abc"

@@ -1,0 +1,59 @@
+"""Random draft trees that sometimes follow a known continuation, and a greedy speculative loop."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from cosine.engine.sampling import Sampling
+from cosine.engine.tree import DraftTree
+
+
+def random_tree(rng: random.Random, vocab: int, truth: list[int], max_nodes: int, chain: bool) -> DraftTree:
+    """A tree (or chain) of up to max_nodes random nodes with a path that follows `truth` for a random length."""
+    n_true = rng.randint(0, min(len(truth), max_nodes))
+    if chain:
+        toks = list(truth[:n_true])
+        toks += [rng.randrange(vocab) for _ in range(rng.randint(0, max_nodes - n_true))]
+        return DraftTree.chain(toks)
+    tokens: list[int] = []
+    parents: list[int] = []
+    last_true = -1
+    placed = 0
+    n_rand = rng.randint(0, max_nodes - n_true)
+    while placed < n_true or n_rand:
+        if placed < n_true and (not n_rand or rng.random() < 0.5):
+            tokens.append(truth[placed])
+            parents.append(last_true)
+            last_true = len(tokens) - 1
+            placed += 1
+        else:
+            tokens.append(rng.randrange(vocab))
+            parents.append(rng.randint(-1, len(tokens) - 2))
+            n_rand -= 1
+    return DraftTree(tokens, parents, [1.0] * len(tokens))
+
+
+def hf_greedy(model, prompt: list[int], n_new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n_new, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def speculative_greedy(target, prompts: dict[str, list[int]], refs: dict[str, list[int]], n_new: int,
+                       rng: random.Random, chain: bool, max_nodes: int = 10) -> dict[str, list[int]]:
+    """Batched rounds of verify_batch with random drafts until each request has n_new tokens."""
+    produced = {rid: [] for rid in prompts}
+    target.open_batch([(rid, p, len(p)) for rid, p in prompts.items()])
+    while True:
+        live = [rid for rid in prompts if len(produced[rid]) < n_new]
+        if not live:
+            break
+        items = []
+        for rid in live:
+            truth = refs[rid][len(produced[rid]):]
+            items.append((rid, random_tree(rng, target.vocab_size, truth, max_nodes, chain), Sampling()))
+        for (rid, _, _), out in zip(items, target.verify_batch(items)):
+            produced[rid].extend(out.token_ids)
+    return {rid: toks[:n_new] for rid, toks in produced.items()}

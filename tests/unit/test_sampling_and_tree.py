@@ -1,0 +1,84 @@
+"""The target's token choice and the lossless tree walk."""
+
+import math
+
+import pytest
+import torch
+
+from cosine.engine.sampling import Sampling, choose_tokens, sample_from, target_probs, uniform_at
+from cosine.engine.tree import DraftTree, walk
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 1.0]])
+    assert choose_tokens(logits, Sampling(), [0, 1]) == [1, 0]
+
+
+def test_top_k_and_top_p_mask_the_tail():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    p = target_probs(logits, Sampling(temperature=1.0, top_k=2))
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]], dtype=p.dtype))
+    p = target_probs(logits, Sampling(temperature=1.0, top_p=0.7))  # 0.5 + 0.3 reach 0.7
+    assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]], dtype=p.dtype))
+    p = target_probs(logits, Sampling(temperature=1.0, top_p=0.4))  # the top token alone
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 2.0]])
+    cold = target_probs(logits, Sampling(temperature=0.5))[0, 1]
+    hot = target_probs(logits, Sampling(temperature=2.0))[0, 1]
+    assert cold > torch.softmax(logits, -1)[0, 1] > hot
+
+
+def test_seeded_choice_depends_on_position_not_on_call():
+    logits = torch.zeros(1, 50)
+    s = Sampling(temperature=1.0, seed=7)
+    a = [choose_tokens(logits, s, [t])[0] for t in range(20)]
+    b = choose_tokens(logits.repeat(20, 1), s, list(range(20)))
+    assert a == b
+    assert len(set(a)) > 5  # not constant
+    assert uniform_at(7, 3) != uniform_at(8, 3)
+
+
+def test_inverse_cdf_sample_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3], dtype=torch.float64)
+    n = 4000
+    counts = torch.zeros(4)
+    for i in range(n):
+        counts[sample_from(probs, uniform_at(1, i))] += 1
+    assert counts[1] == 0
+    tv = 0.5 * (counts / n - probs.float()).abs().sum()
+    assert tv < 0.03
+
+
+@pytest.mark.parametrize("bad", [Sampling(temperature=-1), Sampling(temperature=math.nan), Sampling(temperature=math.inf),
+                                 Sampling(top_p=0.0), Sampling(top_p=1.5), Sampling(top_k=-1)])
+def test_bad_sampling_is_rejected(bad):
+    with pytest.raises(ValueError):
+        bad.check()
+
+
+def test_walk_accepts_the_agreeing_prefix_of_a_chain():
+    chain = DraftTree.chain([5, 6, 7])
+    assert walk(chain, [5, 6, 9, 0]) == ([0, 1], 9)
+    assert walk(chain, [1, 0, 0, 0]) == ([], 1)
+    assert walk(chain, [5, 6, 7, 8]) == ([0, 1, 2], 8)  # leaf reached: one more target token
+
+
+def test_walk_descends_into_side_branches():
+    # root → 5 → 6 ; root → 4 → 8 → 9
+    tree = DraftTree([5, 6, 4, 8, 9], [-1, 0, -1, 2, 3])
+    choice = [4, 0, 0, 8, 9, 3]  # target: 4, then (after node 2) 8, then 9, then 3
+    assert walk(tree, choice) == ([2, 3, 4], 3)
+
+
+def test_tree_validation_and_shape():
+    tree = DraftTree([5, 6, 4], [-1, 0, -1])
+    assert tree.depths() == [1, 2, 1]
+    assert tree.main_chain() == [0, 1]
+    assert not tree.is_chain()
+    with pytest.raises(ValueError):
+        DraftTree([1, 2], [-1, 1]).validate(10)
+    with pytest.raises(ValueError):
+        DraftTree([11], [-1]).validate(10)
