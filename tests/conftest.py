@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(config, items):
         layer = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
         if layer in {"unit", "integration", "e2e"}:
             item.add_marker(getattr(pytest.mark, layer))
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:
             import torch
 
             if not torch.cuda.is_available():

@@ -13,6 +13,7 @@ EPILOG = """examples:
   cosine up                           start the local cluster; Ctrl-C stops it
   cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
+  cosine bench serving                the cluster against transformers alone, same prompts, same run
 """
 
 SERVICES = ("router", "scheduler", "fusion", "drafter", "verifier")
@@ -129,6 +130,13 @@ def _serve(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    import importlib
+
+    module = importlib.import_module(f"cosine.bench.{args.which}")
+    return module.main(args.args) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cosine", description="CoSine: lossless speculative decoding with several drafters, as gRPC services.",
@@ -171,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
     gen.add_argument("--timeout", type=float, default=600, help="deadline of the call in seconds")
     gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks: engine (native vs transformers), serving (cluster vs transformers)")
+    bench.add_argument("which", choices=["engine", "serving"])
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (see --help)")
+    bench.set_defaults(func=_bench)
 
     serve = sub.add_parser("serve", help="run one service in the foreground (as containers do)")
     serve.add_argument("service", choices=SERVICES)

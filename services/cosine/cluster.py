@@ -57,7 +57,8 @@ class Process:
 
 
 def run_dir() -> Path:
-    return cache_root() / "run"
+    """Logs and the state file of the local cluster ($COSINE_RUN_DIR, or <cache>/run)."""
+    return Path(os.environ.get("COSINE_RUN_DIR") or cache_root() / "run")
 
 
 def state_file() -> Path:

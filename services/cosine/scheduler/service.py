@@ -33,6 +33,10 @@ class SchedulerMetrics:
         )
         self.draft_seconds = Histogram("cosine_scheduler_draft_seconds", "drafting time per round", buckets=LATENCY_BUCKETS, registry=registry)
         self.verify_seconds = Histogram("cosine_scheduler_verify_seconds", "verification time per round", buckets=LATENCY_BUCKETS, registry=registry)
+        self.draft_compute_seconds = Histogram(
+            "cosine_scheduler_draft_compute_seconds", "drafting time per round as fusion measured it", buckets=LATENCY_BUCKETS, registry=registry)
+        self.verify_compute_seconds = Histogram(
+            "cosine_scheduler_verify_compute_seconds", "verification time per round as the verifier measured it", buckets=LATENCY_BUCKETS, registry=registry)
         self.commit_seconds = Histogram("cosine_scheduler_commit_seconds", "Redis commit time per round", buckets=LATENCY_BUCKETS, registry=registry)
 
 
@@ -118,11 +122,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             context_used = len(prompt) + len(generated)
             d = policy.round_depth(depth, len(generated), max_new, context_used, self.config.max_context)
             tree = common_pb2.DraftTree()
+            draft_ms = 0.0
             t0 = time.perf_counter()
             if spec_call is not None and d > 0:
                 reply = await exchange(spec_call, fusion_pb2.SpeculateRequest(
                     round=fusion_pb2.SpeculateRound(committed_token_ids=new, depth=d)), "fusion")
-                tree = reply.tree
+                tree, draft_ms = reply.tree, reply.draft_ms
                 new = []  # fusion has them now; rounds without drafting pass theirs on later
             t1 = time.perf_counter()
             verdict = await exchange(verify_call, verifier_pb2.VerifyRequest(round=verifier_pb2.VerifyRound(tree=tree)), "verifier")
@@ -137,7 +142,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stats.rounds += 1
             stats.drafted_tokens += drafted
             stats.accepted_tokens += accepted
-            self._observe(drafted, accepted, len(cut.token_ids), t1 - t0, t2 - t1, t3 - t2)
+            self._observe(drafted, accepted, len(cut.token_ids), t1 - t0, t2 - t1, t3 - t2, draft_ms / 1000, verdict.verify_ms / 1000)
             yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
                 token_ids=cut.token_ids, drafted_tokens=drafted, accepted_tokens=accepted))
             if cut.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
@@ -145,13 +150,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     finish_reason=cut.finish_reason, stats=stats))
                 return
 
-    def _observe(self, drafted, accepted, committed, draft_s, verify_s, commit_s):
+    def _observe(self, drafted, accepted, committed, draft_s, verify_s, commit_s, draft_compute_s, verify_compute_s):
         m = self.metrics
         m.rounds.inc()
         m.drafted.inc(drafted)
         m.accepted.inc(accepted)
         m.accepted_len.observe(committed)
-        if drafted:
+        if draft_s > 0 and draft_compute_s > 0:
             m.draft_seconds.observe(draft_s)
+            m.draft_compute_seconds.observe(draft_compute_s)
         m.verify_seconds.observe(verify_s)
+        m.verify_compute_seconds.observe(verify_compute_s)
         m.commit_seconds.observe(commit_s)

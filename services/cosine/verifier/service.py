@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 
@@ -75,8 +76,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         tree.validate(self.engine.vocab_size)
                     except ValueError as exc:
                         raise invalid(str(exc)) from exc
+                    started = time.perf_counter()
                     outcome = await self.worker.run(self.engine.verify, request_id, tree, sampling)
-                    yield verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft)
+                    yield verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft,
+                                                      verify_ms=(time.perf_counter() - started) * 1000)
                 else:
                     raise invalid("Verify message has neither open nor round")
         finally:

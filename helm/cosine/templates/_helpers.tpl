@@ -1,0 +1,422 @@
+{{/* Names, labels and the one workload template every role (router, scheduler, fusion, verifier, drafters) renders through. */}}
+
+{{- define "cosine.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "cosine.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "cosine.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "root" $ "component" "router") */}}
+{{- define "cosine.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "cosine.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "cosine.labels" -}}
+helm.sh/chart: {{ include "cosine.chart" .root }}
+{{ include "cosine.selectorLabels" . }}
+app.kubernetes.io/part-of: cosine
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+{{- end -}}
+
+{{- define "cosine.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "cosine.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Deep overlay: src's keys win, maps merge key by key; unlike sprig's merge, a 0/false/"" in src still wins. Mutates dst. */}}
+{{- define "cosine.overlay" -}}
+{{- $dst := .dst -}}
+{{- range $k, $v := .src -}}
+{{- if and (kindIs "map" $v) (kindIs "map" (get $dst $k)) -}}
+{{- include "cosine.overlay" (dict "dst" (get $dst $k) "src" $v) -}}
+{{- else -}}
+{{- $_ := set $dst $k $v -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A drafter entry with drafterDefaults under it, as JSON: (dict "root" $ "drafter" $d) */}}
+{{- define "cosine.drafterConfig" -}}
+{{- $cfg := deepCopy .root.Values.drafterDefaults -}}
+{{- include "cosine.overlay" (dict "dst" $cfg "src" (deepCopy .drafter)) -}}
+{{- toJson $cfg -}}
+{{- end -}}
+
+{{- define "cosine.drafterAddress" -}}
+{{- printf "%s-drafter-%s:%d" (include "cosine.fullname" .root) .name (int .port) -}}
+{{- end -}}
+
+{{- define "cosine.address" -}}
+{{- printf "%s-%s:%d" (include "cosine.fullname" .root) .component (int .port) -}}
+{{- end -}}
+
+{{/* The image of a role: (dict "root" $ "cfg" $cfg) */}}
+{{- define "cosine.image" -}}
+{{- $img := deepCopy .root.Values.image -}}
+{{- include "cosine.overlay" (dict "dst" $img "src" (default (dict) .cfg.image)) -}}
+{{- $tag := default .root.Chart.AppVersion $img.tag -}}
+{{- if and (gt (int .cfg.gpu.count) 0) (not (.cfg.image | default (dict)).tag) -}}
+{{- $tag = printf "%s%s" $tag $img.gpuTagSuffix -}}
+{{- end -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository $tag -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "cosine.imagePullPolicy" -}}
+{{- (.cfg.image | default (dict)).pullPolicy | default .root.Values.image.pullPolicy -}}
+{{- end -}}
+
+{{- define "cosine.redisUrlEnv" -}}
+{{- $r := .Values.redis -}}
+{{- if $r.existingSecret }}
+- name: COSINE_SCHEDULER_REDIS_URL
+  valueFrom:
+    secretKeyRef:
+      name: {{ $r.existingSecret }}
+      key: redis-url
+{{- else if $r.bundled }}
+- name: COSINE_SCHEDULER_REDIS_URL
+  value: {{ printf "redis://%s-redis:%d/0" (include "cosine.fullname" .) (int $r.port) | quote }}
+{{- else }}
+- name: COSINE_SCHEDULER_REDIS_URL
+  value: {{ required "redis.externalUrl (or redis.existingSecret) is required when redis.bundled is false" $r.externalUrl | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+One role: Deployment, Service, PDB, autoscaler and ServiceMonitor.
+(dict "root" $ "component" "router" "prefix" "COSINE_ROUTER_" "service" "router" "cfg" $cfg "env" $envYaml "models" true "name" "drafter NAME or empty")
+*/}}
+{{- define "cosine.workload" -}}
+{{- $root := .root -}}
+{{- $cfg := .cfg -}}
+{{- $component := .component -}}
+{{- $fullname := printf "%s-%s" (include "cosine.fullname" $root) $component | trunc 63 | trimSuffix "-" -}}
+{{- $ctx := dict "root" $root "component" $component -}}
+{{- $gpu := gt (int $cfg.gpu.count) 0 -}}
+{{- $drain := int $root.Values.drainTimeoutSeconds -}}
+{{- $delay := int $root.Values.shutdownDelaySeconds -}}
+{{- $storage := $root.Values.models.storage -}}
+{{- $prepare := and .models $root.Values.models.prepare.enabled (ne $storage.type "image") -}}
+{{- $autoscaled := $cfg.autoscaling.enabled -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ $fullname }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "cosine.labels" $ctx | nindent 4 }}
+  annotations:
+    checkov.io/skip1: CKV_K8S_43=The tag is the chart's appVersion by default; set image.digest to pin by digest (rendered as repository@digest).
+    checkov.io/skip2: CKV_K8S_15=IfNotPresent is deliberate for multi-GB CUDA images on GPU nodes; tags are immutable release tags, set image.pullPolicy to Always to change it.
+spec:
+  {{- if not $autoscaled }}
+  replicas: {{ $cfg.replicas }}
+  {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "cosine.selectorLabels" $ctx | nindent 6 }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 1
+      maxUnavailable: 0
+  template:
+    metadata:
+      labels:
+        {{- include "cosine.labels" $ctx | nindent 8 }}
+        {{- with $root.Values.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- with $root.Values.podAnnotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "cosine.serviceAccountName" $root }}
+      automountServiceAccountToken: false
+      enableServiceLinks: false
+      {{- with $root.Values.imagePullSecrets }}
+      imagePullSecrets:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      # preStop sleep + drain + 5s for closing channels and freeing the model
+      terminationGracePeriodSeconds: {{ add $delay $drain 5 }}
+      securityContext:
+        {{- toYaml $root.Values.podSecurityContext | nindent 8 }}
+      {{- $nodeSelector := deepCopy (default (dict) $cfg.nodeSelector) -}}
+      {{- if $gpu }}{{- $nodeSelector = merge $nodeSelector (default (dict) $cfg.gpu.nodeSelector) -}}{{- end }}
+      {{- with $nodeSelector }}
+      nodeSelector:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- $tolerations := default (list) $cfg.tolerations -}}
+      {{- if $gpu }}{{- $tolerations = concat $tolerations (default (list) $cfg.gpu.tolerations) -}}{{- end }}
+      {{- with $tolerations }}
+      tolerations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- with $cfg.affinity }}
+      affinity:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
+      {{- if $prepare }}
+      initContainers:
+        - name: prepare-models
+          image: {{ include "cosine.image" (dict "root" $root "cfg" $cfg) }}
+          imagePullPolicy: {{ include "cosine.imagePullPolicy" (dict "root" $root "cfg" $cfg) }}
+          args: ["zoo", "prepare"]
+          env:
+            - {name: COSINE_CACHE, value: /var/cache/cosine}
+            - {name: HOME, value: /tmp}
+            - {name: HF_HOME, value: /tmp/huggingface}
+            - {name: PIP_CACHE_DIR, value: /tmp/pip}
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          resources:
+            {{- toYaml $root.Values.models.prepare.resources | nindent 12 }}
+          volumeMounts:
+            - {name: tmp, mountPath: /tmp}
+            - {name: models, mountPath: /var/cache/cosine}
+      {{- end }}
+      containers:
+        - name: {{ .service }}
+          image: {{ include "cosine.image" (dict "root" $root "cfg" $cfg) }}
+          imagePullPolicy: {{ include "cosine.imagePullPolicy" (dict "root" $root "cfg" $cfg) }}
+          args:
+            - serve
+            - {{ .service }}
+            {{- range $cfg.extraArgs }}
+            - {{ . | quote }}
+            {{- end }}
+          ports:
+            - {name: grpc, containerPort: {{ $cfg.port }}, protocol: TCP}
+            - {name: metrics, containerPort: {{ $cfg.metricsPort }}, protocol: TCP}
+          env:
+            - {name: {{ .prefix }}HOST, value: "0.0.0.0"}
+            - {name: {{ .prefix }}PORT, value: {{ $cfg.port | quote }}}
+            - {name: {{ .prefix }}METRICS_PORT, value: {{ $cfg.metricsPort | quote }}}
+            - {name: {{ .prefix }}DRAIN_TIMEOUT_S, value: {{ $drain | quote }}}
+            # the preStop sleep already covers endpoint removal: drain at once on SIGTERM
+            - {name: {{ .prefix }}SHUTDOWN_DELAY_S, value: "0"}
+            - {name: {{ .prefix }}LOG_LEVEL, value: {{ $root.Values.logLevel | quote }}}
+            - {name: COSINE_CACHE, value: {{ ternary "/opt/cosine/cache" "/var/cache/cosine" (eq $storage.type "image") }}}
+            - {name: HOME, value: /tmp}
+            - {name: HF_HOME, value: /tmp/huggingface}
+            - {name: PYTHONUNBUFFERED, value: "1"}
+            - {name: TOKENIZERS_PARALLELISM, value: "false"}
+            {{- .env | nindent 12 }}
+            {{- with $cfg.env }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          {{- $res := deepCopy (default (dict) $cfg.resources) }}
+          {{- if $gpu }}
+          {{- $limits := default (dict) $res.limits }}
+          {{- $_ := set $limits $cfg.gpu.resourceName (int $cfg.gpu.count) }}
+          {{- $_ := set $res "limits" $limits }}
+          {{- $requests := default (dict) $res.requests }}
+          {{- $_ := set $requests $cfg.gpu.resourceName (int $cfg.gpu.count) }}
+          {{- $_ := set $res "requests" $requests }}
+          {{- end }}
+          resources:
+            {{- toYaml $res | nindent 12 }}
+          startupProbe:
+            grpc: {port: {{ $cfg.port }}, service: liveness}
+            {{- toYaml $cfg.probes.startup | nindent 12 }}
+          livenessProbe:
+            grpc: {port: {{ $cfg.port }}, service: liveness}
+            {{- toYaml $cfg.probes.liveness | nindent 12 }}
+          readinessProbe:
+            grpc: {port: {{ $cfg.port }}, service: readiness}
+            {{- toYaml $cfg.probes.readiness | nindent 12 }}
+          lifecycle:
+            preStop:
+              # keep serving while the endpoint is removed everywhere; SIGTERM then drains (DRAIN_TIMEOUT_S)
+              exec:
+                command: ["sleep", {{ $delay | quote }}]
+          securityContext:
+            {{- toYaml $root.Values.securityContext | nindent 12 }}
+          volumeMounts:
+            - {name: tmp, mountPath: /tmp}
+            {{- if ne $storage.type "image" }}
+            - {name: models, mountPath: /var/cache/cosine}
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir:
+            sizeLimit: 2Gi
+        {{- if ne $storage.type "image" }}
+        - name: models
+          {{- if and .models (eq $storage.type "pvc") }}
+          persistentVolumeClaim:
+            claimName: {{ default (printf "%s-models" (include "cosine.fullname" $root)) $storage.pvc.existingClaim }}
+          {{- else if and .models (eq $storage.type "hostPath") }}
+          hostPath:
+            path: {{ $storage.hostPath.path }}
+            type: DirectoryOrCreate
+          {{- else }}
+          emptyDir:
+            sizeLimit: {{ ternary $storage.sizeLimit "256Mi" .models }}
+          {{- end }}
+        {{- end }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ $fullname }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "cosine.labels" $ctx | nindent 4 }}
+  {{- with (($cfg.service | default (dict)).annotations) }}
+  annotations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+spec:
+  type: {{ ($cfg.service | default (dict)).type | default "ClusterIP" }}
+  selector:
+    {{- include "cosine.selectorLabels" $ctx | nindent 4 }}
+  ports:
+    - {name: grpc, port: {{ $cfg.port }}, targetPort: grpc, protocol: TCP, appProtocol: grpc}
+    - {name: metrics, port: {{ $cfg.metricsPort }}, targetPort: metrics, protocol: TCP, appProtocol: http}
+{{- if $cfg.podDisruptionBudget.enabled }}
+---
+apiVersion: policy/v1
+kind: PodDisruptionBudget
+metadata:
+  name: {{ $fullname }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "cosine.labels" $ctx | nindent 4 }}
+spec:
+  maxUnavailable: {{ $cfg.podDisruptionBudget.maxUnavailable }}
+  selector:
+    matchLabels:
+      {{- include "cosine.selectorLabels" $ctx | nindent 6 }}
+{{- end }}
+{{- if $autoscaled }}
+{{- $metrics := default (list) $cfg.autoscaling.metrics }}
+{{- $drafter := .name | default "" }}
+{{- if and $metrics (eq $root.Values.autoscaling.metricsMode "keda") }}
+---
+apiVersion: keda.sh/v1alpha1
+kind: ScaledObject
+metadata:
+  name: {{ $fullname }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "cosine.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    name: {{ $fullname }}
+  minReplicaCount: {{ $cfg.autoscaling.minReplicas }}
+  maxReplicaCount: {{ $cfg.autoscaling.maxReplicas }}
+  pollingInterval: 15
+  cooldownPeriod: 300
+  triggers:
+    {{- range $metrics }}
+    - type: prometheus
+      name: {{ .name }}
+      metricType: AverageValue
+      metadata:
+        serverAddress: {{ $root.Values.autoscaling.prometheusAddress }}
+        query: {{ replace "DRAFTER" $drafter .query | quote }}
+        threshold: {{ .target | toString | quote }}
+    {{- end }}
+{{- else }}
+---
+apiVersion: autoscaling/v2
+kind: HorizontalPodAutoscaler
+metadata:
+  name: {{ $fullname }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "cosine.labels" $ctx | nindent 4 }}
+spec:
+  scaleTargetRef:
+    apiVersion: apps/v1
+    kind: Deployment
+    name: {{ $fullname }}
+  minReplicas: {{ $cfg.autoscaling.minReplicas }}
+  maxReplicas: {{ $cfg.autoscaling.maxReplicas }}
+  behavior:
+    scaleDown:
+      stabilizationWindowSeconds: 300
+  metrics:
+    {{- if $metrics }}
+    {{- range $metrics }}
+    - type: External
+      external:
+        metric:
+          name: {{ .external.name }}
+          {{- with .external.matchLabels }}
+          selector:
+            matchLabels:
+              {{- range $k, $v := . }}
+              {{ $k }}: {{ replace "DRAFTER" $drafter $v | quote }}
+              {{- end }}
+          {{- end }}
+        target:
+          type: AverageValue
+          averageValue: {{ .target | toString | quote }}
+    {{- end }}
+    {{- else }}
+    - type: Resource
+      resource:
+        name: cpu
+        target:
+          type: Utilization
+          averageUtilization: {{ $cfg.autoscaling.targetCPUUtilizationPercentage }}
+    {{- end }}
+{{- end }}
+{{- end }}
+{{- if $cfg.monitoring.serviceMonitor }}
+---
+apiVersion: monitoring.coreos.com/v1
+kind: ServiceMonitor
+metadata:
+  name: {{ $fullname }}
+  namespace: {{ $root.Release.Namespace }}
+  labels:
+    {{- include "cosine.labels" $ctx | nindent 4 }}
+    {{- with $root.Values.monitoring.serviceMonitorLabels }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
+spec:
+  selector:
+    matchLabels:
+      {{- include "cosine.selectorLabels" $ctx | nindent 6 }}
+  namespaceSelector:
+    matchNames: [{{ $root.Release.Namespace }}]
+  endpoints:
+    - port: metrics
+      path: /metrics
+      interval: {{ $cfg.monitoring.interval }}
+      # the services label their series service="..." themselves: keep it (autoscaling queries select on it)
+      honorLabels: true
+{{- end }}
+{{- end -}}

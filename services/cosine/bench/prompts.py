@@ -1,0 +1,37 @@
+"""A small mixed-domain prompt set, written for this project (no outside source)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    domain: str  # code | docs | literary | chat
+    text: str
+    chat: bool  # send as a user message through the chat template
+
+    def request_fields(self, max_new_tokens: int) -> dict:
+        if self.chat:
+            return {"messages": [{"role": "user", "content": self.text}], "max_new_tokens": max_new_tokens}
+        return {"prompt": self.text.encode(), "max_new_tokens": max_new_tokens}
+
+    def token_ids(self, tokenizer) -> list[int]:
+        if self.chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": self.text}], add_generation_prompt=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(tokenizer(self.text)["input_ids"])
+
+
+PROMPTS = [
+    Prompt("code", "Write a Python function that checks whether a number is prime.", True),
+    Prompt("docs", "Explain what a hash table is in two sentences.", True),
+    Prompt("docs", "List three uses of the Linux command grep.", True),
+    Prompt("literary", "Write a short poem about the sea.", True),
+    Prompt("chat", "What is the difference between TCP and UDP?", True),
+    Prompt("code", 'def merge_sort(items):\n    """Sort a list with merge sort."""\n', False),
+    Prompt("docs", "The history of the Roman Empire", False),
+    Prompt("literary", "To be, or not to be, that is the question:", False),
+    Prompt("code", "import json\n\nwith open('config.json') as f:\n", False),
+    Prompt("docs", "SQLite is a C library that provides", False),
+]
