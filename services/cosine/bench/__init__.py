@@ -1,0 +1,1 @@
+"""Benchmarks (not tests): `cosine bench ...`."""
