@@ -129,6 +129,26 @@ class GrpcService:
         await self.stop()
 
 
+def run_service(settings_cls: type[ServiceSettings], serve: Callable, argv: list[str] | None = None,
+                refuse: tuple[type[BaseException], ...] = ()) -> None:
+    """The start-up of every service's __main__: settings from argv and environment, logging,
+    `serve(settings)`, then serve until SIGTERM. Exceptions in `refuse` exit with status 2."""
+    import sys
+
+    settings = settings_cls.load(sys.argv[1:] if argv is None else argv)
+    setup_logging(settings.log_level)
+
+    async def run():
+        try:
+            service = await serve(settings)
+        except refuse as exc:
+            log.error("refusing to start: %s", exc)
+            raise SystemExit(2) from exc
+        await service.run_until_signal()
+
+    asyncio.run(run())
+
+
 def setup_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("transformers", "urllib3", "filelock"):

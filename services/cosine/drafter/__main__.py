@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from typing import Literal
 
 import torch
 from pydantic import Field
 
 from cosine.common.config import ModelSettings
-from cosine.common.server import GrpcService, setup_logging
+from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
 from cosine.drafter.service import DrafterServicer
 from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
@@ -61,14 +59,7 @@ async def serve(settings: DrafterSettings) -> GrpcService:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = DrafterSettings.load(sys.argv[1:] if argv is None else argv)
-    setup_logging(settings.log_level)
-
-    async def run():
-        service = await serve(settings)
-        await service.run_until_signal()
-
-    asyncio.run(run())
+    run_service(DrafterSettings, serve, argv)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 
 import grpc
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, setup_logging
+from cosine.common.server import GrpcService, channel_options, run_service
 from cosine.drafter.v1 import drafter_pb2_grpc
 from cosine.fusion.service import FusionServicer
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
@@ -65,14 +64,7 @@ async def serve(settings: FusionSettings) -> GrpcService:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = FusionSettings.load(sys.argv[1:] if argv is None else argv)
-    setup_logging(settings.log_level)
-
-    async def run():
-        service = await serve(settings)
-        await service.run_until_signal()
-
-    asyncio.run(run())
+    run_service(FusionSettings, serve, argv)
 
 
 if __name__ == "__main__":

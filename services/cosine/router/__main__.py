@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
 
 import grpc
 from pydantic import Field
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, setup_logging
+from cosine.common.server import GrpcService, channel_options, run_service
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.router import policy
 from cosine.router.service import DrafterDirectory, RouterMetrics, RouterServicer
@@ -71,14 +69,7 @@ async def serve(settings: RouterSettings) -> GrpcService:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = RouterSettings.load(sys.argv[1:] if argv is None else argv)
-    setup_logging(settings.log_level)
-
-    async def run():
-        service = await serve(settings)
-        await service.run_until_signal()
-
-    asyncio.run(run())
+    run_service(RouterSettings, serve, argv)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from cosine.engine.sampling import Sampling
@@ -65,14 +64,16 @@ def admit(request, limits: Limits, known_drafters: set[str], default_drafters: l
         max_new = limits.max_new_tokens_default
 
     s = request.sampling
-    temperature = s.temperature
-    if not math.isfinite(temperature) or temperature < 0:
-        raise BadRequest(f"sampling.temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
-    top_p = s.top_p if s.HasField("top_p") else 1.0
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise BadRequest(f"sampling.top_p must be in (0, 1], got {top_p}")
-    seed = s.seed if s.HasField("seed") else random_seed
-    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=s.top_k, seed=seed)
+    sampling = Sampling(
+        temperature=s.temperature,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k,
+        seed=s.seed if s.HasField("seed") else random_seed,
+    )
+    try:
+        sampling.check()
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
 
     stop = list(request.stop)
     if len(stop) > limits.max_stop_strings:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import sys
 
 import grpc
 import redis.asyncio as aioredis
 from pydantic import Field
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, setup_logging
+from cosine.common.server import GrpcService, channel_options, run_service
 from cosine.common.state import RequestStore
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
@@ -86,18 +84,7 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = SchedulerSettings.load(sys.argv[1:] if argv is None else argv)
-    setup_logging(settings.log_level)
-
-    async def run():
-        try:
-            service = await serve(settings)
-        except TokenizerMismatch as exc:
-            log.error("refusing to start: %s", exc)
-            raise SystemExit(2) from exc
-        await service.run_until_signal()
-
-    asyncio.run(run())
+    run_service(SchedulerSettings, serve, argv, refuse=(TokenizerMismatch,))
 
 
 if __name__ == "__main__":

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
 
 import torch
 from pydantic import Field
 
 from cosine.common.config import ModelSettings
-from cosine.common.server import GrpcService, setup_logging
+from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
 from cosine.verifier.service import VerifierServicer
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -50,14 +48,7 @@ async def serve(settings: VerifierSettings) -> GrpcService:
 
 
 def main(argv: list[str] | None = None) -> None:
-    settings = VerifierSettings.load(sys.argv[1:] if argv is None else argv)
-    setup_logging(settings.log_level)
-
-    async def run():
-        service = await serve(settings)
-        await service.run_until_signal()
-
-    asyncio.run(run())
+    run_service(VerifierSettings, serve, argv)
 
 
 if __name__ == "__main__":
