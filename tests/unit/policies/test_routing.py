@@ -1,0 +1,152 @@
+"""Expertise routing on constructed rounds whose right answer is known."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cosine.router.routing import ExpertiseRouter, agreement, harmonic
+
+
+def test_agreement_scores_only_positions_with_the_targets_context():
+    # own chain: scoring stops after the first mismatch (its later tokens followed a wrong context)
+    assert agreement([1, 2, 9, 4], [1, 2, 3, 4, 5]) == (2, 3)
+    # fused context equal to what was accepted: every position with a known target token counts
+    assert agreement([1, 7, 3], [1, 2, 3, 4], context=[1, 2, 3]) == (2, 3)
+    # fused context left the accepted path after position 1
+    assert agreement([1, 2, 3], [1, 5, 6], context=[1, 2, 3]) == (1, 2)
+    assert agreement([], [1, 2]) == (0, 0)
+    assert agreement([1, 2, 3], [1]) == (1, 1)  # only the bonus position is known
+
+
+def test_harmonic_is_low_unless_both_are_high():
+    assert harmonic(1.0, 1.0) == 1.0
+    assert harmonic(0.9, 0.0) == 0.0
+    assert harmonic(0.9, 0.1) < 0.2
+    assert harmonic(0.5, 0.5) == pytest.approx(0.5)
+
+
+def test_prior_ranks_by_mean_logprob_of_the_prompt():
+    r = ExpertiseRouter(["code", "prose", "chat"], k=1)
+    r.prior("code", -4.0)
+    r.prior("prose", -1.0)
+    r.prior("chat", -2.5)
+    assert r.ranking() == ["prose", "chat", "code"]
+    assert r.select() == ["prose"]
+    assert r.scores()["prose"] == pytest.approx(math.exp(-1.0))
+    r.prior("prose", -5.0)  # a new prior replaces the old one
+    assert r.select() == ["chat"]
+
+
+def test_a_drafter_that_always_agrees_with_the_target_wins():
+    r = ExpertiseRouter(["a", "b", "c"], k=1, threshold=0.0)
+    # the prior favours "b", but "a" always drafts exactly what the target accepts
+    r.prior("a", -2.0)
+    r.prior("b", -0.2)
+    r.prior("c", -1.0)
+    assert r.select() == ["b"]
+    target = list(range(100, 140))
+    for rnd in range(8):
+        accepted = target[rnd * 5 : rnd * 5 + 5]
+        r.observe("a", accepted[:4], accepted, [0.7] * 4)
+        r.observe("b", [1, 2, 3, 4], accepted, [0.95] * 4)  # confident and wrong
+        r.observe("c", [accepted[0], 0, 0, 0], accepted, [0.5] * 4)
+        r.record_round(4)
+    assert r.select() == ["a"]
+    assert r.ranking() == ["a", "c", "b"]
+    assert r.scores()["b"] < 0.2
+
+
+def test_old_evidence_decays():
+    r = ExpertiseRouter(["a", "b"], k=1, decay=0.5)
+    for _ in range(5):
+        r.observe("a", [1, 2], [1, 2, 3], [0.9, 0.9])
+        r.observe("b", [5, 6], [1, 2, 3], [0.9, 0.9])
+    assert r.select() == ["a"]
+    # the text changes: now only b agrees; with decay 0.5 a few rounds are enough to switch
+    for _ in range(3):
+        r.observe("a", [5, 6], [1, 2, 3], [0.9, 0.9])
+        r.observe("b", [1, 2], [1, 2, 3], [0.9, 0.9])
+    assert r.select() == ["b"]
+
+
+def test_an_under_performing_request_explores_the_least_tried_drafter():
+    r = ExpertiseRouter(["a", "b", "c", "d"], k=1, threshold=2.0)
+    for name, mlp in [("a", -0.5), ("b", -1.0), ("c", -1.5), ("d", -3.0)]:
+        r.prior(name, mlp)
+    assert r.select() == ["a"]  # no round yet: nothing to explore on
+    # b and c have been tried (say earlier explorations), d never
+    r.observe("b", [1], [2, 3], [0.5])
+    r.observe("c", [1], [2, 3], [0.5])
+    r.observe("a", [2, 9, 9], [2, 3], [0.9] * 3)
+    r.record_round(1)
+    assert r.exploring()
+    assert r.select() == ["a", "d"]
+    # once the request does well it exploits only
+    for _ in range(4):
+        r.record_round(4)
+    assert not r.exploring()
+    assert r.select() == ["a"]
+
+
+def test_exploration_with_equal_tries_prefers_the_better_score():
+    r = ExpertiseRouter(["a", "b", "c"], k=1, threshold=1.0)
+    r.prior("a", -0.1)
+    r.prior("b", -3.0)
+    r.prior("c", -1.0)
+    r.record_round(0)
+    assert r.select() == ["a", "c"]
+
+
+def test_requested_drafters_override():
+    r = ExpertiseRouter(["a", "b", "c"], k=2, threshold=5.0, requested=["c", "c"])
+    r.prior("a", -0.1)
+    r.record_round(0)
+    assert r.select() == ["c"]
+
+
+def test_state_round_trips():
+    r = ExpertiseRouter(["a", "b"], k=1, threshold=1.5)
+    r.prior("a", -1.0)
+    r.observe_round({"a": ([1, 2], [0.8, 0.7]), "b": ([1, 3], [0.6, 0.6])}, accepted=[1, 2, 4], accepted_length=2)
+    import json
+
+    s = ExpertiseRouter.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert s.scores() == r.scores()
+    assert s.select() == r.select()
+    assert s.recent_accepted == r.recent_accepted == 2.0
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError):
+        ExpertiseRouter([])
+    with pytest.raises(ValueError):
+        ExpertiseRouter(["a"], k=0)
+    with pytest.raises(KeyError, match="unknown drafter"):
+        ExpertiseRouter(["a"]).observe("z", [1], [1], 1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rounds=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "c", "d"]),
+            st.lists(st.integers(0, 5), max_size=6),
+            st.lists(st.integers(0, 5), min_size=1, max_size=7),
+            st.floats(0, 1),
+        ),
+        max_size=20,
+    ),
+    k=st.integers(1, 4),
+)
+def test_scores_stay_in_unit_interval_and_selection_is_well_formed(rounds, k):
+    r = ExpertiseRouter(["a", "b", "c", "d"], k=k, threshold=1.0)
+    for name, drafted, accepted, conf in rounds:
+        r.observe(name, drafted, accepted, conf)
+        r.record_round(len(drafted) // 2)
+    assert all(0.0 <= s <= 1.0 + 1e-12 for s in r.scores().values())
+    chosen = r.select()
+    assert len(chosen) == len(set(chosen))
+    assert min(k, 4) <= len(chosen) <= min(k + 1, 4)
+    assert chosen[: min(k, 4)] == r.ranking()[: min(k, 4)]
