@@ -73,9 +73,9 @@ class NativeTarget:
         """Prefill every committed token but the last."""
         self.open_batch([(request_id, committed, prompt_len)])
 
-    def open_batch(self, items: list[tuple[str, list[int], int]]) -> None:
-        """Prefill several requests in one forward pass."""
-        batch: list[Seq] = []
+    def open_batch(self, items: list[tuple[str, list[int], int]], chunk: int = 512) -> None:
+        """Prefill several requests together, `chunk` tokens of each per forward pass."""
+        todo: list[tuple[int, list[int]]] = []
         for request_id, committed, prompt_len in items:
             if not committed:
                 raise ValueError("a request needs at least one committed token")
@@ -85,10 +85,14 @@ class NativeTarget:
             slot = self.cache.allocate()
             self._reqs[request_id] = _Request(slot, list(committed), prompt_len)
             if len(committed) > 1:
-                n = len(committed) - 1
-                batch.append(Seq(slot, list(committed[:-1]), list(range(n)), logits="none"))
-        if batch:
+                todo.append((slot, list(committed[:-1])))
+        done = 0
+        while todo:
+            batch = [Seq(slot, toks[done:done + chunk], list(range(done, min(done + chunk, len(toks)))), logits="none")
+                     for slot, toks in todo]
             self.model.forward(batch, self.cache)
+            done += chunk
+            todo = [(slot, toks) for slot, toks in todo if len(toks) > done]
 
     def truncate(self, request_id: str, n_tokens: int) -> None:
         """Cut a request back to its first n_tokens committed tokens (bookkeeping only)."""
@@ -134,11 +138,12 @@ class NativeTarget:
             metas.append((req, tree, sampling, q, n_ctx, depths))
         logits_list = self.model.forward(batch, self.cache)
 
+        rejected = self._reject_batch([(m, lg) for m, lg in zip(metas, logits_list) if self._uses_q(m)])
         outcomes: list[VerifyOutcome] = []
         for (req, tree, sampling, q, n_ctx, depths), logits in zip(metas, logits_list):
             start = n_ctx - 1  # storage index of the last committed token
-            if q is not None and not sampling.greedy and tree.is_chain() and len(tree):
-                accepted, bonus = self._reject(logits, tree, sampling, q, n_ctx)
+            if self._uses_q((req, tree, sampling, q, n_ctx, depths)):
+                accepted, bonus = rejected.pop(0)
                 path = list(range(len(accepted)))
             else:
                 choice = choose_tokens(logits, sampling, [n_ctx] + [n_ctx + d for d in depths])
@@ -151,12 +156,49 @@ class NativeTarget:
             outcomes.append(VerifyOutcome(accepted + [bonus], len(accepted)))
         return outcomes
 
-    def _reject(self, logits, tree: DraftTree, sampling: Sampling, q: torch.Tensor, n_ctx: int):
-        k = len(tree)
-        p = target_probs(logits, sampling)[None]  # [1, k+1, V]
-        positions = [n_ctx + j for j in range(k + 1)]
-        u_acc = torch.tensor([[uniform_at(sampling.seed ^ _ACCEPT_SALT, t) for t in positions[:k]]], dtype=torch.float64)
-        u_smp = torch.tensor([[uniform_at(sampling.seed, t) for t in positions]], dtype=torch.float64)
-        out, n_acc = rejection_sample(torch.tensor([tree.tokens]), q.to(p.device)[None], p, u_acc, u_smp)
-        n = int(n_acc[0])
-        return tree.tokens[:n], int(out[0, n])
+    @staticmethod
+    def _uses_q(meta) -> bool:
+        _, tree, sampling, q, _, _ = meta
+        return q is not None and not sampling.greedy and tree.is_chain() and len(tree) > 0
+
+    def _reject_batch(self, entries) -> list[tuple[list[int], int]]:
+        """Rejection sampling for every q-chain of a round in one call (ragged chains padded)."""
+        if not entries:
+            return []
+        k = max(len(meta[1]) for meta, _ in entries)
+        V = self.vocab_size
+        B = len(entries)
+        toks = torch.zeros(B, k, dtype=torch.long)
+        qs = torch.full((B, k, V), 1.0 / V, dtype=torch.float64)
+        ps = torch.zeros(B, k + 1, V, dtype=torch.float64)
+        u_acc = torch.zeros(B, k, dtype=torch.float64)
+        u_smp = torch.zeros(B, k + 1, dtype=torch.float64)
+        lens = torch.zeros(B, dtype=torch.long)
+        for b, ((_, tree, sampling, q, n_ctx, _), logits) in enumerate(entries):
+            n = len(tree)
+            lens[b] = n
+            toks[b, :n] = torch.tensor(tree.tokens)
+            qs[b, :n] = q.double().cpu()
+            ps[b, : n + 1] = target_probs(logits, sampling).cpu()
+            u_acc[b, :n] = torch.tensor([uniform_at(sampling.seed ^ _ACCEPT_SALT, n_ctx + j) for j in range(n)], dtype=torch.float64)
+            u_smp[b, : n + 1] = torch.tensor([uniform_at(sampling.seed, n_ctx + j) for j in range(n + 1)], dtype=torch.float64)
+        out, n_acc = rejection_sample(toks, qs, ps, u_acc, u_smp, lens)
+        result = []
+        for b, ((_, tree, _, _, _, _), _) in enumerate(entries):
+            n = int(n_acc[b])
+            result.append((tree.tokens[:n], int(out[b, n])))
+        return result
+
+
+def make_target(path: str | Path, device: str = "cpu", dtype: str = "auto", n_slots: int = 8,
+                max_context: int | None = None, backend: str = "auto"):
+    """The target engine for a checkpoint: NativeTarget for Llama-family models, HFTarget otherwise.
+
+    backend: "auto", "native" or "transformers".
+    """
+    if backend == "native" or (backend == "auto" and NativeLlama.supports(path)):
+        return NativeTarget.from_pretrained(path, device=device, dtype=dtype, n_slots=n_slots, max_context=max_context)
+    from cosine.engine.hf_target import HFTarget
+    from cosine.engine.models import load_causal_lm
+
+    return HFTarget(load_causal_lm(path, device, dtype), max_context=max_context)

@@ -46,3 +46,13 @@ def hf_models(tiny_models):
     from transformers import AutoModelForCausalLM
 
     return {name: AutoModelForCausalLM.from_pretrained(str(path)).eval() for name, path in tiny_models.items()}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a thread pool, and on a shared 2-core machine each parallel
+    region of a small op can wait a scheduler slice for a descheduled worker."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,9 +19,10 @@ pytestmark = pytest.mark.unit
 N_NEW = 10
 
 
+@pytest.mark.parametrize("linear", ["auto", "torch"])
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_logits_match_transformers(tiny_models, hf_models, name):
-    model = NativeLlama.from_pretrained(tiny_models[name])
+def test_logits_match_transformers(tiny_models, hf_models, name, linear):
+    model = NativeLlama.from_pretrained(tiny_models[name], linear=linear)
     cache = model.new_cache(2, 64)
     ids = torch.randint(0, model.spec.vocab_size, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
@@ -95,3 +96,24 @@ def test_verify_one_by_one_equals_batch(tiny_models):
     assert again == outs
     a.release("x")
     assert len(a) == 0 and a.cache.free_slots == 2
+
+
+def test_chunked_prefill_equals_one_pass(tiny_models):
+    ids = list(range(1, 90))
+    a = NativeTarget.from_pretrained(tiny_models["llama"], n_slots=2, max_context=128)
+    a.open_batch([("x", ids, len(ids)), ("y", ids[:20], 20)], chunk=16)
+    b = NativeTarget.from_pretrained(tiny_models["llama"], n_slots=1, max_context=128)
+    b.open("x", ids, len(ids))
+    n = len(ids) - 1
+    sa, sb = a.slot_of("x"), b.slot_of("x")
+    torch.testing.assert_close(a.cache.k[:, sa, :, :n], b.cache.k[:, sb, :, :n], atol=1e-5, rtol=1e-4)
+    assert a.cache.lengths[a.slot_of("y")] == 19
+    assert a.verify("x", DraftTree(), Sampling()).token_ids == b.verify("x", DraftTree(), Sampling()).token_ids
+
+
+def test_make_target_picks_the_backend(tiny_models, tmp_path):
+    from cosine.engine.hf_target import HFTarget
+    from cosine.engine.native_target import make_target
+
+    assert isinstance(make_target(tiny_models["qwen2"], n_slots=1, max_context=32), NativeTarget)
+    assert isinstance(make_target(tiny_models["llama"], backend="transformers"), HFTarget)
