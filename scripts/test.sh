@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-scripts/install.sh test
+scripts/install.sh test,loadtest
 exec "$PYTHON" -m pytest -q -p no:cacheprovider "$@"

@@ -28,21 +28,31 @@ class LocalServices:
         return f"127.0.0.1:{self.services['router'].port}"
 
 
-@pytest.fixture(scope="session")
-async def services(tiny_dirs, redis_server):
+async def start_services(tiny_dirs, redis_url: str, **extra) -> LocalServices:
+    """Every service on port 0; `extra` settings go to all of them (e.g. trace_exporter="memory")."""
     started = {}
-    common = {"port": 0, "drain_timeout_s": 1.0}
+    common = {"port": 0, "drain_timeout_s": 1.0, "metrics_port": 0, **extra}
     started["verifier"] = await serve_verifier(VerifierSettings(model=str(tiny_dirs["target"]), threads=1, **common))
     started["drafter-ngram"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **common))
     started["drafter-tiny"] = await serve_drafter(DrafterSettings(name="tiny", kind="lm", model=str(tiny_dirs["drafter"]), threads=1, **common))
     endpoints = f"ngram=127.0.0.1:{started['drafter-ngram'].port},tiny=127.0.0.1:{started['drafter-tiny'].port}"
-    started["fusion"] = await serve_fusion(FusionSettings(drafters=endpoints, metrics_port=0, **common))
+    started["fusion"] = await serve_fusion(FusionSettings(drafters=endpoints, **common))
     started["scheduler"] = await serve_scheduler(SchedulerSettings(
         verifier=f"127.0.0.1:{started['verifier'].port}", fusion=f"127.0.0.1:{started['fusion'].port}",
-        redis_url=redis_server, metrics_port=0, startup_timeout_s=30, **common))
+        redis_url=redis_url, startup_timeout_s=30, **common))
     started["router"] = await serve_router(RouterSettings(
         scheduler=f"127.0.0.1:{started['scheduler'].port}", fusion=f"127.0.0.1:{started['fusion'].port}",
-        model=str(tiny_dirs["target"]), max_new_tokens_limit=256, metrics_port=0, **common))
-    yield LocalServices(started)
+        model=str(tiny_dirs["target"]), max_new_tokens_limit=256, **common))
+    return LocalServices(started)
+
+
+async def stop_services(services: LocalServices) -> None:
     for name in ("router", "scheduler", "fusion", "drafter-tiny", "drafter-ngram", "verifier"):
-        await started[name].stop()
+        await services[name].stop()
+
+
+@pytest.fixture(scope="session")
+async def services(tiny_dirs, redis_server):
+    started = await start_services(tiny_dirs, redis_server)
+    yield started
+    await stop_services(started)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -22,6 +22,18 @@ class ServiceSettings(BaseSettings):
     shutdown_delay_s: float = Field(0.0, ge=0, description="on SIGTERM, how long to report NOT_SERVING before draining")
     max_message_mb: int = Field(64, ge=1, description="largest gRPC message sent or received")
     log_level: str = Field("INFO", description="logging level")
+    trace_exporter: Literal["none", "console", "otlp", "memory"] = Field(
+        "none", description="where spans go: none (tracing off, no cost), console, otlp, memory (kept in the process, for tests)")
+    otlp_endpoint: str = Field("", description="OTLP/gRPC collector HOST:PORT or URL; setting it turns on the otlp exporter")
+    trace_sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces recorded (callers' decisions are kept)")
+
+    @model_validator(mode="after")
+    def _check_tracing(self) -> "ServiceSettings":
+        if self.otlp_endpoint and self.trace_exporter == "none":
+            self.trace_exporter = "otlp"
+        if self.trace_exporter == "otlp" and not self.otlp_endpoint:
+            raise ValueError("trace_exporter otlp needs otlp_endpoint (HOST:PORT of an OTLP/gRPC collector)")
+        return self
 
     @classmethod
     def load(cls: type[S], argv: list[str] | None = None, **overrides: Any) -> S:

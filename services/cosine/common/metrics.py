@@ -25,6 +25,11 @@ class ServiceMetrics:
             "cosine_rpc_duration_seconds", "RPC wall time", ["service", "method"], buckets=LATENCY_BUCKETS, registry=self.registry
         )
         self.in_flight = Gauge("cosine_rpc_in_flight", "RPCs in progress", ["service"], registry=self.registry)
+        # model services: rate(busy seconds) is the busy fraction of the model thread, 1 - that the idle fraction
+        self.worker_busy_seconds = Counter(
+            "cosine_worker_busy_seconds_total", "seconds the model worker thread spent running model code", ["service"], registry=self.registry)
+        self.worker_queue_depth = Gauge(
+            "cosine_worker_queue_depth", "model calls waiting for or running on the model worker", ["service"], registry=self.registry)
         self.port: int | None = None
         self._server = None
 

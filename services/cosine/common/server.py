@@ -1,4 +1,4 @@
-"""One bootstrap for every service: grpc.aio server, health, reflection, metrics, drain on SIGTERM."""
+"""One bootstrap for every service: grpc.aio server, health, reflection, metrics, tracing, drain on SIGTERM."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 from cosine.common.config import ServiceSettings
 from cosine.common.errors import ErrorInterceptor
 from cosine.common.metrics import ServiceMetrics
+from cosine.common.tracing import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,9 @@ class GrpcService:
         self.name = name
         self.settings = settings
         self.metrics = ServiceMetrics(name)
-        self._interceptor = ErrorInterceptor(on_done=self._record)
+        self.tracing = Tracing.from_settings(name, settings)
+        self._interceptor = ErrorInterceptor(on_done=self.metrics.record_rpc)
+        self.metrics.in_flight.labels(name).set_function(lambda: self._interceptor.in_flight)
         self._register = register
         self._on_stop = on_stop
         self.server: grpc.aio.Server | None = None
@@ -67,17 +70,15 @@ class GrpcService:
         self._service_names: list[str] = []
         self._stopped = asyncio.Event()
 
-    def _record(self, method: str, code: grpc.StatusCode, seconds: float) -> None:
-        self.metrics.record_rpc(method, code, seconds)
-        self.metrics.in_flight.labels(self.name).set(self._interceptor.in_flight)
-
     @property
     def in_flight(self) -> int:
         return self._interceptor.in_flight
 
     async def start(self) -> int:
         """Bind, start serving; health is NOT_SERVING for readiness until `set_ready()`."""
-        self.server = grpc.aio.server(interceptors=[self._interceptor], options=server_options(self.settings))
+        # tracing first (when on): its span covers the error mapping and sees the final status
+        interceptors = [*self.tracing.interceptors(), self._interceptor]
+        self.server = grpc.aio.server(interceptors=interceptors, options=server_options(self.settings))
         self._service_names = list(self._register(self.server))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -116,6 +117,7 @@ class GrpcService:
         if self._on_stop is not None:
             await self._on_stop()
         self.metrics.close()
+        self.tracing.shutdown()
         self._stopped.set()
         log.info("%s stopped", self.name)
 

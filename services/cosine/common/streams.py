@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
@@ -37,16 +38,41 @@ class ModelWorker:
     """Runs model code on one dedicated thread: torch releases the GIL, the event loop stays free,
     and per-request caches are never touched by two threads at once."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, busy_seconds=None, queue_depth=None):
+        """busy_seconds (a Counter child) adds the seconds spent in model code; queue_depth
+        (a Gauge child) counts calls queued or running. Both optional."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._busy = busy_seconds
+        self._queue = queue_depth
+        self.pending = 0  # calls queued or running (read on the event loop's thread)
+
+    def _timed(self, fn: Callable[..., T], *args: Any) -> T:
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            if self._busy is not None:
+                self._busy.inc(time.perf_counter() - started)
+            if self._queue is not None:
+                self._queue.dec()
+
+    def _enqueue(self) -> None:
+        if self._queue is not None:
+            self._queue.inc()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        self._enqueue()
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, self._timed, fn, *args)
+        finally:
+            self.pending -= 1
 
     def submit(self, fn: Callable[..., object], *args: Any) -> None:
         """Queue work without waiting: for clean-up in `finally` blocks, which a cancelled
         handler may not be able to await. It runs after whatever the thread is doing."""
-        self._pool.submit(fn, *args)
+        self._enqueue()
+        self._pool.submit(self._timed, fn, *args)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

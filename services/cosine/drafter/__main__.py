@@ -41,8 +41,6 @@ def build(settings: DrafterSettings):
 
 async def serve(settings: DrafterSettings) -> GrpcService:
     drafter, tok_hash = build(settings)
-    worker = ModelWorker(f"drafter-{settings.name}")
-    servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth)
 
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
@@ -51,7 +49,11 @@ async def serve(settings: DrafterSettings) -> GrpcService:
     async def on_stop():
         worker.shutdown()
 
-    service = GrpcService(f"drafter-{settings.name}", settings, register, on_stop)
+    name = f"drafter-{settings.name}"
+    service = GrpcService(name, settings, register, on_stop)
+    m = service.metrics
+    worker = ModelWorker(name, m.worker_busy_seconds.labels(name), m.worker_queue_depth.labels(name))
+    servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth, service.tracing)
     service.servicer = servicer
     await service.start()
     await service.set_ready()

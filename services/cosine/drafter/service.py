@@ -8,6 +8,7 @@ import grpc
 
 from cosine.common.errors import invalid
 from cosine.common.streams import ModelWorker
+from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from cosine.engine.drafters import Drafter
@@ -16,8 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
-    def __init__(self, drafter: Drafter, worker: ModelWorker, tokenizer_hash: str = "", max_depth: int = 32):
+    def __init__(self, drafter: Drafter, worker: ModelWorker, tokenizer_hash: str = "", max_depth: int = 32,
+                 tracing: Tracing | None = None):
         self.drafter = drafter
+        self.tracing = tracing or Tracing(drafter.name)
         self.worker = worker
         self.tokenizer_hash = tokenizer_hash
         self.max_depth = max_depth
@@ -47,9 +50,13 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     if request_id is None:
                         raise invalid("Draft step before open")
                     depth = min(message.step.depth, self.max_depth)
-                    tokens, probs = await self.worker.run(
-                        self.drafter.draft, request_id, list(message.step.committed_token_ids), depth
-                    )
+                    with self.tracing.span("drafter.step", {"cosine.drafter": self.drafter.name, "cosine.depth": depth},
+                                           parent=message.step.trace_context) as span:
+                        span.set_attribute("cosine.queue_depth", self.worker.pending)
+                        tokens, probs = await self.worker.run(
+                            self.drafter.draft, request_id, list(message.step.committed_token_ids), depth
+                        )
+                        span.set_attribute("cosine.proposed_tokens", len(tokens))
                     yield drafter_pb2.DraftResponse(token_ids=tokens, probs=probs)
                 else:
                     raise invalid("Draft message has neither open nor step")

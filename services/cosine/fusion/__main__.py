@@ -10,7 +10,7 @@ from pydantic import Field, field_validator
 from cosine.common.config import ServiceSettings
 from cosine.common.server import GrpcService, channel_options, run_service
 from cosine.drafter.v1 import drafter_pb2_grpc
-from cosine.fusion.service import FusionServicer
+from cosine.fusion.service import FusionMetrics, FusionServicer
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 
 
@@ -47,7 +47,6 @@ class FusionSettings(ServiceSettings):
 
 async def serve(settings: FusionSettings) -> GrpcService:
     channels = {name: grpc.aio.insecure_channel(addr, options=channel_options(settings)) for name, addr in settings.endpoints.items()}
-    servicer = FusionServicer({name: drafter_pb2_grpc.DrafterStub(ch) for name, ch in channels.items()})
 
     def register(server):
         fusion_pb2_grpc.add_FusionServicer_to_server(servicer, server)
@@ -57,6 +56,8 @@ async def serve(settings: FusionSettings) -> GrpcService:
         await asyncio.gather(*(ch.close() for ch in channels.values()))
 
     service = GrpcService("fusion", settings, register, on_stop)
+    servicer = FusionServicer({name: drafter_pb2_grpc.DrafterStub(ch) for name, ch in channels.items()},
+                              FusionMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     await service.start()
     await service.set_ready()

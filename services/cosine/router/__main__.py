@@ -56,11 +56,12 @@ async def serve(settings: RouterSettings) -> GrpcService:
     servicer = RouterServicer(
         tokenizer,
         scheduler_pb2_grpc.SchedulerStub(scheduler_channel),
-        DrafterDirectory(fusion_pb2_grpc.FusionStub(fusion_channel)),
+        DrafterDirectory(fusion_pb2_grpc.FusionStub(fusion_channel), tracing=service.tracing),
         limits,
         settings.default_drafters,
         RouterMetrics(service.metrics.registry),
         set(settings.api_keys),
+        service.tracing,
     )
     service.servicer = servicer
     await service.start()

@@ -9,10 +9,11 @@ import time
 import uuid
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from cosine.common.errors import ServiceError
 from cosine.common.metrics import LATENCY_BUCKETS
+from cosine.common.tracing import Tracing, set_span_attributes
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.router import policy
@@ -32,13 +33,15 @@ class RouterMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1), registry=registry,
         )
         self.tokens = Counter("cosine_router_output_tokens_total", "tokens streamed to clients", registry=registry)
+        self.in_flight = Gauge("cosine_router_requests_in_flight", "Generate streams in progress", registry=registry)
 
 
 class DrafterDirectory:
     """The drafter names the deployment has, asked of fusion and cached for a while."""
 
-    def __init__(self, fusion: fusion_pb2_grpc.FusionStub, ttl_s: float = 10.0):
+    def __init__(self, fusion: fusion_pb2_grpc.FusionStub, ttl_s: float = 10.0, tracing: Tracing | None = None):
         self.fusion = fusion
+        self.tracing = tracing or Tracing("router")
         self.ttl_s = ttl_s
         self._names: set[str] = set()
         self._fetched = 0.0
@@ -47,7 +50,7 @@ class DrafterDirectory:
         stale = time.monotonic() - self._fetched > self.ttl_s
         if stale or any(n not in self._names for n in must_have):
             try:
-                reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5)
+                reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5, metadata=self.tracing.metadata())
                 self._names = {d.name for d in reply.drafters}
                 self._fetched = time.monotonic()
             except grpc.aio.AioRpcError as exc:
@@ -58,7 +61,8 @@ class DrafterDirectory:
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer, scheduler: scheduler_pb2_grpc.SchedulerStub, drafters: DrafterDirectory,
-                 limits: policy.Limits, default_drafters: list[str], metrics: RouterMetrics, api_keys: set[str] = frozenset()):
+                 limits: policy.Limits, default_drafters: list[str], metrics: RouterMetrics, api_keys: set[str] = frozenset(),
+                 tracing: Tracing | None = None):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.drafters = drafters
@@ -66,6 +70,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.default_drafters = default_drafters
         self.metrics = metrics
         self.api_keys = set(api_keys)
+        self.tracing = tracing or Tracing("router")
         eos = tokenizer.eos_token_id
         self.stop_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
 
@@ -92,6 +97,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
         outcome = "error"
+        self.metrics.in_flight.inc()
         try:
             self._authenticate(context)
             rid = request.request_id or uuid.uuid4().hex
@@ -110,6 +116,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             outcome = "cancelled"
             raise
         finally:
+            self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
 
     async def _stream(self, rid, admission: policy.Admission, prompt_ids, context, started):
@@ -122,7 +129,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             request_id=rid, prompt_token_ids=prompt_ids, max_new_tokens=admission.max_new_tokens, sampling=sampling,
             speculation=speculation, stop_token_ids=self.stop_token_ids,
         )
-        call = self.scheduler.Submit(submit, timeout=context.time_remaining())
+        if self.tracing.enabled:
+            set_span_attributes({"cosine.request_id": rid, "cosine.prompt_tokens": len(prompt_ids),
+                                 "cosine.max_new_tokens": admission.max_new_tokens, "cosine.drafters": list(speculation.drafters)})
+        call = self.scheduler.Submit(submit, timeout=context.time_remaining(), metadata=self.tracing.metadata())
         text = StreamText(self.tokenizer, admission.stop)
         stats = common_pb2.Stats(drafters=list(speculation.drafters))
         completion = 0
@@ -153,6 +163,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         tail = text.flush()
         if tail:
             yield router_pb2.GenerateResponse(request_id=rid, chunk=router_pb2.Chunk(token_ids=[], text=tail))
+        if self.tracing.enabled:
+            set_span_attributes({"cosine.completion_tokens": completion, "cosine.rounds": stats.rounds,
+                                 "cosine.accepted_tokens": stats.accepted_tokens,
+                                 "cosine.finish_reason": common_pb2.FinishReason.Name(finish)})
         if first_at is not None:
             self.metrics.ttft.observe(first_at - started)
             if completion > 1:

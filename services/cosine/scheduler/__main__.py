@@ -72,7 +72,7 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
 
     service = GrpcService("scheduler", settings, register, on_stop)
     config = SchedulerConfig(settings.default_depth, settings.max_depth)
-    servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry))
+    servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     await service.start()
     target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)

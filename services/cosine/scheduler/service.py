@@ -8,12 +8,13 @@ import time
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from cosine.common.errors import ServiceError, invalid
 from cosine.common.metrics import LATENCY_BUCKETS
 from cosine.common.state import RequestStore
 from cosine.common.streams import close_quietly, exchange
+from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 from cosine.scheduler import policy
@@ -38,6 +39,7 @@ class SchedulerMetrics:
         self.verify_compute_seconds = Histogram(
             "cosine_scheduler_verify_compute_seconds", "verification time per round as the verifier measured it", buckets=LATENCY_BUCKETS, registry=registry)
         self.commit_seconds = Histogram("cosine_scheduler_commit_seconds", "Redis commit time per round", buckets=LATENCY_BUCKETS, registry=registry)
+        self.live = Gauge("cosine_scheduler_requests_in_flight", "requests whose rounds this scheduler runs now", registry=registry)
 
 
 @dataclass
@@ -55,19 +57,27 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         fusion: fusion_pb2_grpc.FusionStub,
         config: SchedulerConfig,
         metrics: SchedulerMetrics,
+        tracing: Tracing | None = None,
     ):
         self.store = store
         self.verifier = verifier
         self.fusion = fusion
         self.config = config
         self.metrics = metrics
+        self.tracing = tracing or Tracing("scheduler")
         self.live: set[str] = set()
+        metrics.live.set_function(lambda: len(self.live))
 
     async def Submit(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext):
         rid = request.request_id
         prompt = list(request.prompt_token_ids)
         if not rid or not prompt or request.max_new_tokens == 0:
             raise invalid("Submit needs a request_id, prompt tokens and max_new_tokens > 0")
+        if len(prompt) + request.max_new_tokens > self.config.max_context:
+            raise invalid(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the target's context "
+                f"limit of {self.config.max_context} tokens: shorten the prompt or ask for fewer tokens"
+            )
         spec = request.speculation
         drafters = list(spec.drafters)
         speculate = not spec.disabled and bool(drafters)
@@ -87,8 +97,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.live.add(rid)
         status, reason = "failed", ""
         timeout = context.time_remaining()
-        verify_call = self.verifier.Verify(timeout=timeout)
-        spec_call = self.fusion.Speculate(timeout=timeout) if speculate else None
+        metadata = self.tracing.metadata()  # the streams' server spans are children of this Submit
+        verify_call = self.verifier.Verify(timeout=timeout, metadata=metadata)
+        spec_call = self.fusion.Speculate(timeout=timeout, metadata=metadata) if speculate else None
         try:
             await verify_call.write(verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
                 request_id=rid, committed_token_ids=prompt, sampling=sampling, prompt_len=len(prompt))))
@@ -121,22 +132,32 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         while True:
             context_used = len(prompt) + len(generated)
             d = policy.round_depth(depth, len(generated), max_new, context_used, self.config.max_context)
-            tree = common_pb2.DraftTree()
-            draft_ms = 0.0
-            t0 = time.perf_counter()
-            if spec_call is not None and d > 0:
-                reply = await exchange(spec_call, fusion_pb2.SpeculateRequest(
-                    round=fusion_pb2.SpeculateRound(committed_token_ids=new, depth=d)), "fusion")
-                tree, draft_ms = reply.tree, reply.draft_ms
-                new = []  # fusion has them now; rounds without drafting pass theirs on later
-            t1 = time.perf_counter()
-            verdict = await exchange(verify_call, verifier_pb2.VerifyRequest(round=verifier_pb2.VerifyRound(tree=tree)), "verifier")
-            t2 = time.perf_counter()
-            cut = policy.cut_round(list(verdict.token_ids), len(generated), max_new, stop_ids, context_used, self.config.max_context)
-            accepted = min(verdict.accepted_draft, len(cut.token_ids))
-            drafted = len(tree.token_ids)
-            step = await self.store.commit(rid, step, cut.token_ids, drafted, accepted)
-            t3 = time.perf_counter()
+            with self.tracing.span("scheduler.round", {"cosine.round": step, "cosine.depth": d}) as round_span:
+                tree = common_pb2.DraftTree()
+                draft_ms = 0.0
+                t0 = time.perf_counter()
+                if spec_call is not None and d > 0:
+                    with self.tracing.span("scheduler.draft", {"cosine.depth": d}):
+                        message = fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(committed_token_ids=new, depth=d))
+                        self.tracing.inject(message.round.trace_context)
+                        reply = await exchange(spec_call, message, "fusion")
+                    tree, draft_ms = reply.tree, reply.draft_ms
+                    new = []  # fusion has them now; rounds without drafting pass theirs on later
+                t1 = time.perf_counter()
+                with self.tracing.span("scheduler.verify", {"cosine.tree_size": len(tree.token_ids)}):
+                    message = verifier_pb2.VerifyRequest(round=verifier_pb2.VerifyRound(tree=tree))
+                    self.tracing.inject(message.round.trace_context)
+                    verdict = await exchange(verify_call, message, "verifier")
+                t2 = time.perf_counter()
+                cut = policy.cut_round(list(verdict.token_ids), len(generated), max_new, stop_ids, context_used, self.config.max_context)
+                accepted = min(verdict.accepted_draft, len(cut.token_ids))
+                drafted = len(tree.token_ids)
+                with self.tracing.span("scheduler.commit", {"cosine.committed_tokens": len(cut.token_ids)}):
+                    step = await self.store.commit(rid, step, cut.token_ids, drafted, accepted)
+                t3 = time.perf_counter()
+                if round_span.is_recording():
+                    round_span.set_attributes({"cosine.drafters": len(stats.drafters), "cosine.tree_size": drafted,
+                                               "cosine.accepted_length": accepted, "cosine.committed_tokens": len(cut.token_ids)})
             generated += cut.token_ids
             new += cut.token_ids
             stats.rounds += 1

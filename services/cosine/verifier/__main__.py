@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Literal
 
 import torch
+from prometheus_client import Gauge
 from pydantic import Field
 
 from cosine.common.config import ModelSettings
@@ -18,20 +20,22 @@ class VerifierSettings(ModelSettings):
 
     model_config = ModelSettings.model_config | {"env_prefix": "COSINE_VERIFIER_"}
 
-    max_slots: int = Field(256, ge=1, description="most requests holding a KV cache at once")
+    backend: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="auto: the native engine for Llama-family checkpoints, transformers otherwise")
+    max_slots: int = Field(16, ge=1, description="most requests holding a KV cache at once (native: preallocated slots)")
+    max_context: int = Field(0, ge=0, description="longest sequence per request (0: the engine's default, at most 4096 for the native engine)")
 
 
 async def serve(settings: VerifierSettings) -> GrpcService:
-    from cosine.engine.hf_target import HFTarget
-    from cosine.engine.models import load_causal_lm, tokenizer_fingerprint
+    from cosine.engine.models import tokenizer_fingerprint
+    from cosine.engine.native_target import make_target
     from cosine.zoo.registry import TARGET, path_of
 
     if settings.threads:
         torch.set_num_threads(settings.threads)
     path = path_of(settings.model or TARGET)
-    engine = HFTarget(load_causal_lm(path, settings.device, settings.dtype))
-    worker = ModelWorker("verifier")
-    servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots)
+    engine = make_target(path, settings.device, settings.dtype, n_slots=settings.max_slots,
+                         max_context=settings.max_context or None, backend=settings.backend)
 
     def register(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
@@ -41,6 +45,11 @@ async def serve(settings: VerifierSettings) -> GrpcService:
         worker.shutdown()
 
     service = GrpcService("verifier", settings, register, on_stop)
+    m = service.metrics
+    worker = ModelWorker("verifier", m.worker_busy_seconds.labels("verifier"), m.worker_queue_depth.labels("verifier"))
+    servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing)
+    slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)
+    slots.set_function(lambda: len(engine))
     service.servicer = servicer
     await service.start()
     await service.set_ready()

@@ -9,6 +9,7 @@ import grpc
 
 from cosine.common.errors import ServiceError, invalid
 from cosine.common.streams import ModelWorker
+from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
@@ -27,8 +28,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
-    def __init__(self, engine, worker: ModelWorker, name: str = "target", tokenizer_hash: str = "", max_slots: int = 256):
+    def __init__(self, engine, worker: ModelWorker, name: str = "target", tokenizer_hash: str = "", max_slots: int = 256,
+                 tracing: Tracing | None = None):
         self.engine = engine
+        self.tracing = tracing or Tracing("verifier")
         self.worker = worker
         self.name = name
         self.tokenizer_hash = tokenizer_hash
@@ -77,7 +80,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     except ValueError as exc:
                         raise invalid(str(exc)) from exc
                     started = time.perf_counter()
-                    outcome = await self.worker.run(self.engine.verify, request_id, tree, sampling)
+                    # one request's tree per forward pass (batch size 1); queue_depth: model calls ahead of it
+                    with self.tracing.span("verifier.verify", {"cosine.tree_size": len(tree.tokens), "cosine.batch_size": 1},
+                                           parent=message.round.trace_context) as span:
+                        span.set_attribute("cosine.queue_depth", self.worker.pending)
+                        outcome = await self.worker.run(self.engine.verify, request_id, tree, sampling)
+                        span.set_attribute("cosine.accepted_length", outcome.accepted_draft)
                     yield verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft,
                                                       verify_ms=(time.perf_counter() - started) * 1000)
                 else:
