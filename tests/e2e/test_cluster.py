@@ -83,10 +83,12 @@ def in_flight(body: str) -> float:
 async def test_cancel_mid_stream_stops_everything(cluster):
     async with grpc.aio.insecure_channel(cluster["address"]) as channel:
         call = router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(
-            request_id="e2e-cancel", prompt=b"Tell me a very long story about dragons.", max_new_tokens=1000,
+            request_id="e2e-cancel", messages=[{"role": "user", "content": "Tell me a very long story about dragons."}],
+            max_new_tokens=1000,
             speculation={"drafters": ["ngram", "lm-2layer"]}), timeout=300)
         chunks = 0
         async for reply in call:
+            assert reply.WhichOneof("kind") == "chunk", "the story ended before the cancel"
             chunks += 1
             if chunks == 3:
                 break
