@@ -95,9 +95,14 @@ def test_sampled_first_token_follows_the_target_distribution():
     assert distances[3200] < 0.05 < draft_distance
 
 
-def test_lm_drafter_cache_matches_recomputation(tiny_dirs):
+@pytest.mark.parametrize("native", [False, True], ids=["transformers", "native"])
+def test_lm_drafter_cache_matches_recomputation(tiny_dirs, native):
+    from cosine.engine.drafters import NativeLMDrafter
+    from cosine.engine.llama import NativeLlama
+
     model = load_causal_lm(tiny_dirs["drafter"])
-    drafter = LMDrafter("tiny", model)
+    drafter = (NativeLMDrafter("tiny", NativeLlama.from_pretrained(tiny_dirs["drafter"]), n_slots=2, max_len=256)
+               if native else LMDrafter("tiny", model))
     rng = random.Random(3)
     prompt = [rng.randrange(1000) for _ in range(9)]
     drafter.open("r", prompt)
@@ -105,7 +110,7 @@ def test_lm_drafter_cache_matches_recomputation(tiny_dirs):
     new: list[int] = []
     for _ in range(6):
         tokens, probs = drafter.draft("r", new, 4)
-        fresh = LMDrafter("fresh", model)
+        fresh = LMDrafter("fresh", model)  # transformers, no cache reuse: the reference
         fresh.open("f", committed)
         assert fresh.draft("f", [], 4)[0] == tokens
         assert all(0 < p <= 1 for p in probs)
@@ -113,3 +118,5 @@ def test_lm_drafter_cache_matches_recomputation(tiny_dirs):
         keep = rng.randrange(len(tokens) + 1)
         new = tokens[:keep] + [rng.randrange(1000)]
         committed += new
+    drafter.release("r")
+    assert "r" not in drafter

@@ -23,10 +23,14 @@ class DrafterSettings(ModelSettings):
     kind: Literal["lm", "ngram"] = Field("ngram", description="lm: a small causal LM; ngram: prompt lookup")
     domain: str = Field("general", description="the domain this drafter specialises in")
     max_depth: int = Field(32, ge=1, description="most tokens proposed per step")
+    backend: Literal["auto", "native", "transformers"] = Field(
+        "auto", description="for lm: the native engine for Llama-family checkpoints (auto), or transformers")
+    max_requests: int = Field(16, ge=1, description="for lm on the native engine: KV slots, one per live request")
 
 
 def build(settings: DrafterSettings):
-    from cosine.engine.drafters import LMDrafter, NgramDrafter
+    from cosine.engine.drafters import LMDrafter, NativeLMDrafter, NgramDrafter
+    from cosine.engine.llama import NativeLlama
     from cosine.engine.models import load_causal_lm, tokenizer_fingerprint
     from cosine.zoo.registry import path_of
 
@@ -35,8 +39,11 @@ def build(settings: DrafterSettings):
     if settings.kind == "ngram":
         return NgramDrafter(settings.name), ""
     path = path_of(settings.model or "lm-2layer")
-    model = load_causal_lm(path, settings.device, settings.dtype)
-    return LMDrafter(settings.name, model, settings.domain), tokenizer_fingerprint(path)[1]
+    tok_hash = tokenizer_fingerprint(path)[1]
+    if settings.backend == "native" or (settings.backend == "auto" and NativeLlama.supports(path)):
+        model = NativeLlama.from_pretrained(path, device=settings.device, dtype=settings.dtype)
+        return NativeLMDrafter(settings.name, model, settings.domain, n_slots=settings.max_requests), tok_hash
+    return LMDrafter(settings.name, load_causal_lm(path, settings.device, settings.dtype), settings.domain), tok_hash
 
 
 async def serve(settings: DrafterSettings) -> GrpcService:

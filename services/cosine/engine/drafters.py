@@ -148,3 +148,76 @@ class LMDrafter(Drafter):
 
     def release(self, request_id: str) -> None:
         self._slots.pop(request_id, None)
+
+
+@dataclass
+class _NativeSlot:
+    slot: int
+    committed: list[int]
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
+
+
+class NativeLMDrafter(Drafter):
+    """LMDrafter on the native Llama engine: one preallocated KV slot per request, cut back by bookkeeping."""
+
+    kind = "lm"
+
+    def __init__(self, name: str, model, domain: str = "general", n_slots: int = 16, max_len: int = 4096):
+        self.name = name
+        self.model = model  # cosine.engine.llama.NativeLlama
+        self.domain = domain
+        self.cache = model.new_cache(n_slots, min(max_len, model.max_positions))
+        self._slots: dict[str, _NativeSlot] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.spec.vocab_size)
+
+    def _requests(self) -> dict:
+        return self._slots
+
+    def open(self, request_id: str, prompt: list[int]) -> None:
+        self.release(request_id)
+        self._slots[request_id] = _NativeSlot(self.cache.allocate(), list(prompt))
+
+    def _forward(self, s: _NativeSlot, ids: list[int]) -> torch.Tensor:
+        from cosine.engine.llama import Seq
+
+        start = len(s.cached)
+        logits = self.model.forward([Seq(s.slot, ids, list(range(start, start + len(ids))), logits="last")], self.cache)[0]
+        s.cached.extend(ids)
+        return logits[-1]  # [vocab]
+
+    @torch.inference_mode()
+    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
+        s = self._slots[request_id]
+        s.committed.extend(committed)
+        if depth <= 0:
+            return [], []
+        if len(s.committed) + depth > self.cache.max_len:
+            depth = max(0, self.cache.max_len - len(s.committed))
+            if depth == 0:
+                return [], []
+        keep = 0
+        limit = min(len(s.cached), len(s.committed) - 1)
+        while keep < limit and s.cached[keep] == s.committed[keep]:
+            keep += 1
+        if keep < len(s.cached):
+            self.cache.truncate(s.slot, keep)
+            del s.cached[keep:]
+        logits = self._forward(s, s.committed[keep:])
+        tokens: list[int] = []
+        probs: list[float] = []
+        for step in range(depth):
+            p = torch.softmax(logits, dim=-1)
+            tok = int(p.argmax())
+            tokens.append(tok)
+            probs.append(float(p[tok]))
+            if step + 1 < depth:
+                logits = self._forward(s, [tok])
+        return tokens, probs
+
+    def release(self, request_id: str) -> None:
+        s = self._slots.pop(request_id, None)
+        if s is not None:
+            self.cache.release(s.slot)
