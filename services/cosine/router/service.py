@@ -112,7 +112,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             async for response in self._stream(rid, admission, prompt_ids, context, started):
                 yield response
             outcome = "ok"
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away
             outcome = "cancelled"
             raise
         finally:

@@ -110,7 +110,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if response.WhichOneof("kind") == "final":
                     status, reason = "finished", common_pb2.FinishReason.Name(response.final.finish_reason)
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # the caller went away: cancelled, or closed while we waited at a yield
             status = "cancelled"
             raise
         finally:
