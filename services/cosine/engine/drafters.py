@@ -85,45 +85,44 @@ class NgramDrafter(Drafter):
 
 @dataclass
 class _LMSlot:
-    cache: object
+    cache: object  # a transformers DynamicCache, or the native cache's slot index
     committed: list[int]
-    cached: list[int] = field(default_factory=list)  # tokens whose KV is in cache
+    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the cache
 
 
-class LMDrafter(Drafter):
-    """A small causal LM sharing the target's tokenizer; greedy chain drafting with a KV cache per request."""
+class _CachedLMDrafter(Drafter):
+    """Greedy chain drafting with a KV cache per request, kept across rounds and cut back to the
+    longest prefix that is still committed. Subclasses say how to forward and how to cut."""
 
     kind = "lm"
-
-    def __init__(self, name: str, model, domain: str = "general"):
-        self.name = name
-        self.model = model
-        self.domain = domain
-        self.device = next(model.parameters()).device
-        self._slots: dict[str, _LMSlot] = {}
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+    _slots: dict[str, _LMSlot]
 
     def _requests(self) -> dict:
         return self._slots
 
-    def open(self, request_id: str, prompt: list[int]) -> None:
-        from transformers import DynamicCache
+    @abc.abstractmethod
+    def _run(self, slot: _LMSlot, ids: list[int], start: int) -> torch.Tensor:
+        """Forward `ids` at positions start.. on the slot's cache; logits of the last one, [vocab]."""
 
-        self._slots[request_id] = _LMSlot(DynamicCache(config=self.model.config), list(prompt))
+    @abc.abstractmethod
+    def _cut(self, slot: _LMSlot, keep: int) -> None:
+        """Cut the slot's cache back to its first `keep` tokens."""
+
+    def _max_len(self) -> int | None:
+        return None
 
     def _forward(self, slot: _LMSlot, ids: list[int]) -> torch.Tensor:
-        x = torch.tensor([ids], device=self.device)
-        logits = self.model(input_ids=x, cache=slot.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+        logits = self._run(slot, ids, len(slot.cached))
         slot.cached.extend(ids)
-        return logits.float()  # [vocab]
+        return logits.float()
 
     @torch.inference_mode()
     def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
         slot = self._slots[request_id]
         slot.committed.extend(committed)
+        limit_len = self._max_len()
+        if limit_len is not None:
+            depth = min(depth, limit_len - len(slot.committed))
         if depth <= 0:
             return [], []
         # keep the cached prefix that is still committed, but always re-feed the last token for its logits
@@ -132,7 +131,7 @@ class LMDrafter(Drafter):
         while keep < limit and slot.cached[keep] == slot.committed[keep]:
             keep += 1
         if keep < len(slot.cached):
-            slot.cache.crop(-(len(slot.cached) - keep))
+            self._cut(slot, keep)
             del slot.cached[keep:]
         logits = self._forward(slot, slot.committed[keep:])
         tokens: list[int] = []
@@ -146,78 +145,68 @@ class LMDrafter(Drafter):
                 logits = self._forward(slot, [tok])
         return tokens, probs
 
+
+class LMDrafter(_CachedLMDrafter):
+    """A small causal LM through `transformers` (any architecture), one DynamicCache per request."""
+
+    def __init__(self, name: str, model, domain: str = "general"):
+        self.name = name
+        self.model = model
+        self.domain = domain
+        self.device = next(model.parameters()).device
+        self._slots = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def open(self, request_id: str, prompt: list[int]) -> None:
+        from transformers import DynamicCache
+
+        self._slots[request_id] = _LMSlot(DynamicCache(config=self.model.config), list(prompt))
+
+    def _run(self, slot: _LMSlot, ids: list[int], start: int) -> torch.Tensor:
+        x = torch.tensor([ids], device=self.device)
+        return self.model(input_ids=x, cache=slot.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+
+    def _cut(self, slot: _LMSlot, keep: int) -> None:
+        slot.cache.crop(-(len(slot.cached) - keep))
+
     def release(self, request_id: str) -> None:
         self._slots.pop(request_id, None)
 
 
-@dataclass
-class _NativeSlot:
-    slot: int
-    committed: list[int]
-    cached: list[int] = field(default_factory=list)  # tokens whose KV is in the slot
-
-
-class NativeLMDrafter(Drafter):
-    """LMDrafter on the native Llama engine: one preallocated KV slot per request, cut back by bookkeeping."""
-
-    kind = "lm"
+class NativeLMDrafter(_CachedLMDrafter):
+    """A Llama-family drafter on the native engine: one preallocated KV slot per request, cut back by bookkeeping."""
 
     def __init__(self, name: str, model, domain: str = "general", n_slots: int = 16, max_len: int = 4096):
         self.name = name
         self.model = model  # cosine.engine.llama.NativeLlama
         self.domain = domain
-        self.cache = model.new_cache(n_slots, min(max_len, model.max_positions))
-        self._slots: dict[str, _NativeSlot] = {}
+        self.kv = model.new_cache(n_slots, min(max_len, model.max_positions))
+        self._slots = {}
 
     @property
     def vocab_size(self) -> int:
         return int(self.model.spec.vocab_size)
 
-    def _requests(self) -> dict:
-        return self._slots
-
     def open(self, request_id: str, prompt: list[int]) -> None:
         self.release(request_id)
-        self._slots[request_id] = _NativeSlot(self.cache.allocate(), list(prompt))
+        self._slots[request_id] = _LMSlot(self.kv.allocate(), list(prompt))
 
-    def _forward(self, s: _NativeSlot, ids: list[int]) -> torch.Tensor:
+    def _max_len(self) -> int:
+        return self.kv.max_len
+
+    def _run(self, slot: _LMSlot, ids: list[int], start: int) -> torch.Tensor:
         from cosine.engine.llama import Seq
 
-        start = len(s.cached)
-        logits = self.model.forward([Seq(s.slot, ids, list(range(start, start + len(ids))), logits="last")], self.cache)[0]
-        s.cached.extend(ids)
-        return logits[-1]  # [vocab]
+        seq = Seq(slot.cache, ids, list(range(start, start + len(ids))), logits="last")
+        return self.model.forward([seq], self.kv)[0][-1]
 
-    @torch.inference_mode()
-    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
-        s = self._slots[request_id]
-        s.committed.extend(committed)
-        if depth <= 0:
-            return [], []
-        if len(s.committed) + depth > self.cache.max_len:
-            depth = max(0, self.cache.max_len - len(s.committed))
-            if depth == 0:
-                return [], []
-        keep = 0
-        limit = min(len(s.cached), len(s.committed) - 1)
-        while keep < limit and s.cached[keep] == s.committed[keep]:
-            keep += 1
-        if keep < len(s.cached):
-            self.cache.truncate(s.slot, keep)
-            del s.cached[keep:]
-        logits = self._forward(s, s.committed[keep:])
-        tokens: list[int] = []
-        probs: list[float] = []
-        for step in range(depth):
-            p = torch.softmax(logits, dim=-1)
-            tok = int(p.argmax())
-            tokens.append(tok)
-            probs.append(float(p[tok]))
-            if step + 1 < depth:
-                logits = self._forward(s, [tok])
-        return tokens, probs
+    def _cut(self, slot: _LMSlot, keep: int) -> None:
+        self.kv.truncate(slot.cache, keep)
 
     def release(self, request_id: str) -> None:
-        s = self._slots.pop(request_id, None)
-        if s is not None:
-            self.cache.release(s.slot)
+        slot = self._slots.pop(request_id, None)
+        if slot is not None:
+            self.kv.release(slot.cache)
