@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from prometheus_client import Gauge
+from prometheus_client import Gauge, Histogram
 from pydantic import Field
 
 from cosine.common.config import ModelSettings
 from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
+from cosine.verifier.batcher import VerifyBatcher
 from cosine.verifier.service import VerifierServicer
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -23,6 +24,7 @@ class VerifierSettings(ModelSettings):
     backend: Literal["auto", "native", "transformers"] = Field(
         "auto", description="auto: the native engine for Llama-family checkpoints, transformers otherwise")
     max_slots: int = Field(16, ge=1, description="most requests holding a KV cache at once (native: preallocated slots)")
+    max_batch: int = Field(8, ge=1, description="most requests' rounds verified together in one forward pass")
     max_context: int = Field(0, ge=0, description="longest sequence per request (0: the engine's default, at most 4096 for the native engine)")
 
 
@@ -42,12 +44,17 @@ async def serve(settings: VerifierSettings) -> GrpcService:
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
 
     async def on_stop():
+        await batcher.close()
         worker.shutdown()
 
     service = GrpcService("verifier", settings, register, on_stop)
     m = service.metrics
     worker = ModelWorker("verifier", m.worker_busy_seconds.labels("verifier"), m.worker_queue_depth.labels("verifier"))
-    servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing)
+    batch_size = Histogram("cosine_verifier_batch_size", "requests verified together in one forward pass",
+                           buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=m.registry)
+    batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=lambda n, seconds: batch_size.observe(n))
+    servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing,
+                                batcher)
     slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)
     slots.set_function(lambda: len(engine))
     service.servicer = servicer

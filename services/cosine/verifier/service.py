@@ -13,6 +13,7 @@ from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
+from cosine.verifier.batcher import VerifyBatcher
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,9 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine, worker: ModelWorker, name: str = "target", tokenizer_hash: str = "", max_slots: int = 256,
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, batcher: VerifyBatcher | None = None):
         self.engine = engine
+        self.batcher = batcher or VerifyBatcher(engine, worker)
         self.tracing = tracing or Tracing("verifier")
         self.worker = worker
         self.name = name
@@ -80,11 +82,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     except ValueError as exc:
                         raise invalid(str(exc)) from exc
                     started = time.perf_counter()
-                    # one request's tree per forward pass (batch size 1); queue_depth: model calls ahead of it
-                    with self.tracing.span("verifier.verify", {"cosine.tree_size": len(tree.tokens), "cosine.batch_size": 1},
+                    # rounds of concurrent requests share forward passes (see batcher.py); queue_depth: model calls ahead
+                    with self.tracing.span("verifier.verify", {"cosine.tree_size": len(tree.tokens)},
                                            parent=message.round.trace_context) as span:
                         span.set_attribute("cosine.queue_depth", self.worker.pending)
-                        outcome = await self.worker.run(self.engine.verify, request_id, tree, sampling)
+                        outcome, batch_size = await self.batcher.verify(request_id, tree, sampling)
+                        span.set_attribute("cosine.batch_size", batch_size)
                         span.set_attribute("cosine.accepted_length", outcome.accepted_draft)
                     yield verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft,
                                                       verify_ms=(time.perf_counter() - started) * 1000)
