@@ -54,6 +54,24 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"internal error (incident {incident}; see the server log)"
 
 
+def rewrap(handler, method: str, wrap_unary: Callable, wrap_stream: Callable):
+    """The same RPC handler with its behaviour wrapped: `wrap_unary(behavior, method)` for
+    unary-unary calls, `wrap_stream(behavior, method)` for server- and bidi-streaming ones
+    (the kinds CoSine serves). Shared by the server interceptors."""
+    if handler is None:
+        return None
+    for kind, make, wrap in (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, wrap_unary),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, wrap_stream),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, wrap_stream),
+    ):
+        behavior = getattr(handler, kind)
+        if behavior:
+            return make(wrap(behavior, method), request_deserializer=handler.request_deserializer,
+                        response_serializer=handler.response_serializer)
+    return handler  # stream_unary: none of ours
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions raised by a handler to a gRPC status without leaking internals.
 
@@ -67,28 +85,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(handler.stream_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler  # stream_unary: none of ours
+        return rewrap(handler, handler_call_details.method, self._wrap_unary, self._wrap_stream)
 
     def _done(self, method: str, code: grpc.StatusCode, started: float) -> None:
         self.in_flight -= 1

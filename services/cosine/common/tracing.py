@@ -28,6 +28,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from cosine.common.errors import rewrap
+
 if TYPE_CHECKING:
     from cosine.common.config import ServiceSettings
 
@@ -137,30 +139,9 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        method = handler_call_details.method
-        if method.startswith("/grpc."):  # health checks and reflection: not worth a trace
+        if handler is None or handler_call_details.method.startswith("/grpc."):  # health, reflection: no trace
             return handler
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(
-                self._wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(
-                self._wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(
-                self._wrap_stream(handler.stream_stream, method),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return rewrap(handler, handler_call_details.method, self._wrap_unary, self._wrap_stream)
 
     def _start(self, method: str, context: grpc.aio.ServicerContext):
         carrier = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
