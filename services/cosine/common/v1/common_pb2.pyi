@@ -3,9 +3,16 @@ from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable
-from typing import ClassVar as _ClassVar, Optional as _Optional
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class FusionMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FUSION_MODE_UNSPECIFIED: _ClassVar[FusionMode]
+    FUSION_MODE_CONFIDENCE: _ClassVar[FusionMode]
+    FUSION_MODE_MERGE: _ClassVar[FusionMode]
+    FUSION_MODE_SINGLE: _ClassVar[FusionMode]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -14,6 +21,10 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_CONTEXT: _ClassVar[FinishReason]
+FUSION_MODE_UNSPECIFIED: FusionMode
+FUSION_MODE_CONFIDENCE: FusionMode
+FUSION_MODE_MERGE: FusionMode
+FUSION_MODE_SINGLE: FusionMode
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
@@ -33,14 +44,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("disabled", "drafters", "max_depth")
+    __slots__ = ("disabled", "drafters", "max_depth", "fusion", "routing", "adaptive_depth")
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FUSION_FIELD_NUMBER: _ClassVar[int]
+    ROUTING_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     disabled: bool
     drafters: _containers.RepeatedScalarFieldContainer[str]
     max_depth: int
-    def __init__(self, disabled: _Optional[bool] = ..., drafters: _Optional[_Iterable[str]] = ..., max_depth: _Optional[int] = ...) -> None: ...
+    fusion: FusionMode
+    routing: bool
+    adaptive_depth: bool
+    def __init__(self, disabled: _Optional[bool] = ..., drafters: _Optional[_Iterable[str]] = ..., max_depth: _Optional[int] = ..., fusion: _Optional[_Union[FusionMode, str]] = ..., routing: _Optional[bool] = ..., adaptive_depth: _Optional[bool] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "drafters")

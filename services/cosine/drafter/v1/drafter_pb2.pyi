@@ -16,7 +16,7 @@ class DraftOpen(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftStep(_message.Message):
-    __slots__ = ("committed_token_ids", "depth", "trace_context")
+    __slots__ = ("committed_token_ids", "depth", "trace_context", "context_token_ids", "top_k")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -27,10 +27,14 @@ class DraftStep(_message.Message):
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     depth: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_k: int
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., context_token_ids: _Optional[_Iterable[int]] = ..., top_k: _Optional[int] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("open", "step")
@@ -40,10 +44,20 @@ class DraftRequest(_message.Message):
     step: DraftStep
     def __init__(self, open: _Optional[_Union[DraftOpen, _Mapping]] = ..., step: _Optional[_Union[DraftStep, _Mapping]] = ...) -> None: ...
 
-class DraftResponse(_message.Message):
+class Candidates(_message.Message):
     __slots__ = ("token_ids", "probs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class DraftResponse(_message.Message):
+    __slots__ = ("token_ids", "probs", "candidates")
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    candidates: _containers.RepeatedCompositeFieldContainer[Candidates]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., candidates: _Optional[_Iterable[_Union[Candidates, _Mapping]]] = ...) -> None: ...

@@ -8,17 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SpeculateOpen(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "drafters")
+    __slots__ = ("request_id", "prompt_token_ids", "drafters", "fusion")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    FUSION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+    fusion: _common_pb2.FusionMode
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., drafters: _Optional[_Iterable[str]] = ..., fusion: _Optional[_Union[_common_pb2.FusionMode, str]] = ...) -> None: ...
 
 class SpeculateRound(_message.Message):
-    __slots__ = ("committed_token_ids", "depth", "trace_context")
+    __slots__ = ("committed_token_ids", "depth", "trace_context", "drafters", "budget")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,10 +31,14 @@ class SpeculateRound(_message.Message):
     COMMITTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEPTH_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    BUDGET_FIELD_NUMBER: _ClassVar[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     depth: int
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    drafters: _containers.RepeatedScalarFieldContainer[str]
+    budget: int
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., drafters: _Optional[_Iterable[str]] = ..., budget: _Optional[int] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("open", "round")
@@ -43,12 +49,26 @@ class SpeculateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SpeculateOpen, _Mapping]] = ..., round: _Optional[_Union[SpeculateRound, _Mapping]] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("tree", "draft_ms")
+    __slots__ = ("tree", "draft_ms", "proposals", "fused_token_ids")
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
+    FUSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
     draft_ms: float
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., draft_ms: _Optional[float] = ...) -> None: ...
+    proposals: _containers.RepeatedCompositeFieldContainer[DrafterProposal]
+    fused_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., proposals: _Optional[_Iterable[_Union[DrafterProposal, _Mapping]]] = ..., fused_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DrafterProposal(_message.Message):
+    __slots__ = ("drafter", "token_ids", "probs")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, drafter: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DrafterList(_message.Message):
     __slots__ = ("drafters",)
