@@ -15,6 +15,8 @@ from cosine.engine.drafters import Drafter
 
 log = logging.getLogger(__name__)
 
+MAX_TOP_K = 16  # candidates per position a step may ask for
+
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, drafter: Drafter, worker: ModelWorker, tokenizer_hash: str = "", max_depth: int = 32,
@@ -49,17 +51,39 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                 elif kind == "step":
                     if request_id is None:
                         raise invalid("Draft step before open")
-                    depth = min(message.step.depth, self.max_depth)
+                    step = message.step
+                    depth = min(step.depth, self.max_depth)
+                    committed, context = list(step.committed_token_ids), list(step.context_token_ids)
                     with self.tracing.span("drafter.step", {"cosine.drafter": self.drafter.name, "cosine.depth": depth},
-                                           parent=message.step.trace_context) as span:
+                                           parent=step.trace_context) as span:
                         span.set_attribute("cosine.queue_depth", self.worker.pending)
-                        tokens, probs = await self.worker.run(
-                            self.drafter.draft, request_id, list(message.step.committed_token_ids), depth
-                        )
-                        span.set_attribute("cosine.proposed_tokens", len(tokens))
-                    yield drafter_pb2.DraftResponse(token_ids=tokens, probs=probs)
+                        if step.top_k > 0:
+                            response = await self.worker.run(
+                                self._candidates, request_id, committed, depth, context, min(step.top_k, MAX_TOP_K))
+                        else:
+                            tokens, probs = await self.worker.run(
+                                self.drafter.draft, request_id, committed, depth, *((context,) if context else ()))
+                            response = drafter_pb2.DraftResponse(token_ids=tokens, probs=probs)
+                        span.set_attribute("cosine.proposed_tokens", len(response.token_ids))
+                    yield response
                 else:
                     raise invalid("Draft message has neither open nor step")
         finally:
             if request_id is not None:
                 self.worker.submit(self.drafter.release, request_id)
+
+    def _candidates(self, request_id: str, committed: list[int], depth: int, context: list[int], top_k: int) -> drafter_pb2.DraftResponse:
+        """`depth` positions, each with its top_k candidates; the chain continues with each position's first."""
+        response = drafter_pb2.DraftResponse()
+        chain: list[int] = []
+        for i in range(depth):
+            cands = self.drafter.propose(request_id, committed if i == 0 else [], context + chain, top_k)
+            if not cands:
+                break
+            response.token_ids.append(cands[0][0])
+            response.probs.append(cands[0][1])
+            response.candidates.add(token_ids=[t for t, _ in cands], probs=[p for _, p in cands])
+            chain.append(cands[0][0])
+        if depth <= 0 and committed:
+            self.drafter.draft(request_id, committed, 0)  # still take the committed tokens
+        return response

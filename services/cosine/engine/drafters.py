@@ -8,6 +8,7 @@ target rejected is forgotten (caches are cut back to the committed prefix).
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +31,17 @@ class Drafter(abc.ABC):
         """Start a request with its prompt tokens."""
 
     @abc.abstractmethod
-    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
-        """Append newly committed tokens, then propose up to `depth` tokens with their probabilities."""
+    def draft(self, request_id: str, committed: list[int], depth: int, context: Sequence[int] = ()) -> tuple[list[int], list[float]]:
+        """Append newly committed tokens, then propose up to `depth` tokens with their probabilities.
+
+        `context`: speculative tokens after the committed ones (confidence fusion's fused chain):
+        the proposal continues from them, but they are not committed."""
+
+    def propose(self, request_id: str, committed: list[int], context: Sequence[int], top_k: int) -> list[tuple[int, float]]:
+        """Append newly committed tokens; the up to `top_k` most probable tokens after committed + `context`,
+        as (token, probability), most probable first. Default: the one token `draft` proposes."""
+        tokens, probs = self.draft(request_id, committed, 1 if top_k > 0 else 0, context)
+        return list(zip(tokens, probs))
 
     @abc.abstractmethod
     def release(self, request_id: str) -> None:
@@ -64,9 +74,11 @@ class NgramDrafter(Drafter):
     def open(self, request_id: str, prompt: list[int]) -> None:
         self._tokens[request_id] = list(prompt)
 
-    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
+    def draft(self, request_id: str, committed: list[int], depth: int, context: Sequence[int] = ()) -> tuple[list[int], list[float]]:
         tokens = self._tokens[request_id]
         tokens.extend(committed)
+        if context:
+            tokens = tokens + list(context)  # looked up in, not kept
         if depth <= 0:
             return [], []
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
@@ -116,24 +128,41 @@ class _CachedLMDrafter(Drafter):
         slot.cached.extend(ids)
         return logits.float()
 
-    @torch.inference_mode()
-    def draft(self, request_id: str, committed: list[int], depth: int) -> tuple[list[int], list[float]]:
-        slot = self._slots[request_id]
-        slot.committed.extend(committed)
-        limit_len = self._max_len()
-        if limit_len is not None:
-            depth = min(depth, limit_len - len(slot.committed))
-        if depth <= 0:
-            return [], []
-        # keep the cached prefix that is still committed, but always re-feed the last token for its logits
+    def _logits_after(self, slot: _LMSlot, seq: list[int]) -> torch.Tensor:
+        """Logits of the token after `seq` (committed + speculative context), reusing the cached prefix."""
+        # keep the cached prefix that still matches, but always re-feed the last token for its logits
         keep = 0
-        limit = min(len(slot.cached), len(slot.committed) - 1)
-        while keep < limit and slot.cached[keep] == slot.committed[keep]:
+        limit = min(len(slot.cached), len(seq) - 1)
+        while keep < limit and slot.cached[keep] == seq[keep]:
             keep += 1
         if keep < len(slot.cached):
             self._cut(slot, keep)
             del slot.cached[keep:]
-        logits = self._forward(slot, slot.committed[keep:])
+        return self._forward(slot, seq[keep:])
+
+    @torch.inference_mode()
+    def propose(self, request_id: str, committed: list[int], context: Sequence[int], top_k: int) -> list[tuple[int, float]]:
+        slot = self._slots[request_id]
+        slot.committed.extend(committed)
+        seq = slot.committed + list(context)
+        limit_len = self._max_len()
+        if top_k <= 0 or (limit_len is not None and len(seq) >= limit_len):
+            return []
+        p = torch.softmax(self._logits_after(slot, seq), dim=-1)
+        top = torch.topk(p, min(top_k, p.numel()))
+        return [(int(t), float(q)) for t, q in zip(top.indices, top.values)]
+
+    @torch.inference_mode()
+    def draft(self, request_id: str, committed: list[int], depth: int, context: Sequence[int] = ()) -> tuple[list[int], list[float]]:
+        slot = self._slots[request_id]
+        slot.committed.extend(committed)
+        seq = slot.committed + list(context)
+        limit_len = self._max_len()
+        if limit_len is not None:
+            depth = min(depth, limit_len - len(seq))
+        if depth <= 0:
+            return [], []
+        logits = self._logits_after(slot, seq)
         tokens: list[int] = []
         probs: list[float] = []
         for step in range(depth):
