@@ -35,7 +35,9 @@ async def generate(address: str, **fields) -> None:
 async def test_every_service_exports_the_named_metrics_and_they_move(services):
     before = await scrape_all(services)
     await asyncio.gather(*(generate(services.router, prompt=f"a b c a b c {i}".encode(), max_new_tokens=16,
-                                    speculation={"drafters": ["ngram", "tiny"]}) for i in range(3)))
+                                    speculation={"drafters": ["ngram", "tiny"], "adaptive_depth": False}) for i in range(3)))
+    # and one that lets expertise routing choose (adaptive depth may decide drafting does not pay)
+    await generate(services.router, prompt=b"routed a b a b", max_new_tokens=12, speculation={"adaptive_depth": False})
     async with grpc.aio.insecure_channel(services.router) as channel:  # one bad request: an INVALID_ARGUMENT outcome
         try:
             async for _ in router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(prompt=b"x", max_new_tokens=10**6)):
@@ -76,6 +78,14 @@ async def test_every_service_exports_the_named_metrics_and_they_move(services):
     for drafter in ("ngram", "tiny"):
         moved("fusion", "cosine_fusion_drafter_proposed_tokens_total", drafter=drafter)
         exists("fusion", "cosine_fusion_drafter_accepted_tokens_total", drafter=drafter)
+        moved("scheduler", "cosine_scheduler_drafter_selected_total", 3, drafter=drafter)  # routing choices
+    moved("fusion", "cosine_fusion_rounds_total", 3, mode="confidence")
+    # chosen depths and acceptance by position (position 0: the first draft token of a round)
+    moved("scheduler", "cosine_scheduler_depth_count", 4)
+    moved("scheduler", "cosine_scheduler_position_drafted_total", 3, position="0")
+    exists("scheduler", "cosine_scheduler_position_accepted_total", position="0")
+    exists("scheduler", "cosine_scheduler_depth_cap")
+    exists("scheduler", "cosine_scheduler_drafters_cap")
     # busy fractions: seconds of model work, and the model workers' queues
     for service in ("verifier", "drafter-tiny", "drafter-ngram"):
         moved(service, "cosine_worker_busy_seconds_total", service=service)

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from opentelemetry.trace import SpanKind
 
+from cosine.common.v1 import common_pb2
 from cosine.router.v1 import router_pb2, router_pb2_grpc
 
 from .conftest import start_services, stop_services
@@ -54,11 +55,12 @@ async def generate(address: str, **fields) -> router_pb2.Final:
         return final
 
 
-async def test_one_generate_is_one_connected_trace(traced):
+@pytest.mark.parametrize("fusion", [common_pb2.FUSION_MODE_MERGE, common_pb2.FUSION_MODE_CONFIDENCE])
+async def test_one_generate_is_one_connected_trace(traced, fusion):
     for name in SERVICES:
         traced[name].tracing.memory.clear()
     final = await generate(traced.router, prompt=b"a b c a b c a b c", max_new_tokens=12,
-                           speculation={"drafters": ["ngram", "tiny"]})
+                           speculation={"drafters": ["ngram", "tiny"], "fusion": fusion})
     assert final is not None and final.stats.rounds > 0
     spans = await all_ended(traced)
     by_id = {s.context.span_id: s for s in spans}
@@ -80,7 +82,11 @@ async def test_one_generate_is_one_connected_trace(traced):
     # per round: draft → fusion.round → a step on each drafter; verify → verifier.verify; commit
     assert names["scheduler.verify"] == names["verifier.verify"] == names["scheduler.commit"] == rounds
     assert names["scheduler.draft"] == names["fusion.round"] >= 1
-    assert names["drafter.step"] == 2 * names["fusion.round"]
+    if fusion == common_pb2.FUSION_MODE_MERGE:  # each drafter drafts its chain in one step
+        assert names["drafter.step"] == 2 * names["fusion.round"]
+    else:  # confidence fusion: one step per drafter and fused position
+        steps = sum(s.attributes["cosine.steps"] for s in spans if s.name == "fusion.round")
+        assert steps >= names["fusion.round"] and names["drafter.step"] == 2 * steps
     for span in spans:
         if span.name in ("scheduler.draft", "scheduler.verify", "scheduler.commit"):
             assert parent_name(span) == "scheduler.round"

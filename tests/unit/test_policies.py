@@ -82,12 +82,24 @@ def test_admission_defaults():
         ({"prompt": b"x", "sampling": {"top_p": 0.0}}, "top_p"),
         ({"prompt": b"x", "sampling": {"top_p": 1.01}}, "top_p"),
         ({"prompt": b"x", "speculation": {"drafters": ["nope"]}}, "unknown drafter"),
+        ({"prompt": b"x", "speculation": {"fusion": 9}}, "speculation.fusion"),
         ({"prompt": b"x", "messages": [{"role": "user", "content": "y"}]}, "either"),
     ],
 )
 def test_admission_rejects_bad_input_with_a_reason(fields, words):
     with pytest.raises(router_policy.BadRequest, match=words):
         admit(**fields)
+
+
+def test_admission_hands_routing_its_candidates_and_passes_switches_on():
+    a = admit(prompt=b"hello")
+    assert a.drafters == ["ngram"] and a.candidates == ["ngram", "lm"]  # the default first, then the rest
+    assert (a.fusion, a.routing, a.adaptive_depth) == (common_pb2.FUSION_MODE_UNSPECIFIED, None, None)
+    named = admit(prompt=b"hello", speculation={"drafters": ["lm"], "fusion": common_pb2.FUSION_MODE_MERGE,
+                                                 "routing": False, "adaptive_depth": True})
+    assert named.drafters == ["lm"] and named.candidates == []  # named drafters are used as they are
+    assert (named.fusion, named.routing, named.adaptive_depth) == (common_pb2.FUSION_MODE_MERGE, False, True)
+    assert admit(prompt=b"hello", speculation={"disabled": True}).candidates == []
 
 
 def test_context_limit():

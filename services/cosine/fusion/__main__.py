@@ -33,6 +33,7 @@ class FusionSettings(ServiceSettings):
     model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_FUSION_"}
 
     drafters: str = Field("", description="drafter endpoints: NAME=HOST:PORT,NAME=HOST:PORT")
+    top_k: int = Field(3, ge=1, le=16, description="confidence fusion: candidates each drafter proposes per step")
 
     @field_validator("drafters")
     @classmethod
@@ -57,7 +58,7 @@ async def serve(settings: FusionSettings) -> GrpcService:
 
     service = GrpcService("fusion", settings, register, on_stop)
     servicer = FusionServicer({name: drafter_pb2_grpc.DrafterStub(ch) for name, ch in channels.items()},
-                              FusionMetrics(service.metrics.registry), service.tracing)
+                              FusionMetrics(service.metrics.registry), service.tracing, settings.top_k)
     service.servicer = servicer
     await service.start()
     await service.set_ready()

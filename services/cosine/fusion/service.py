@@ -14,10 +14,14 @@ from cosine.common.streams import close_quietly, exchange
 from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
-from cosine.fusion.policy import merge_chains
+from cosine.fusion.confidence import ConfidenceFusion, merge_only, single_chain
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+MODES = {common_pb2.FUSION_MODE_UNSPECIFIED: "merge", common_pb2.FUSION_MODE_MERGE: "merge",
+         common_pb2.FUSION_MODE_CONFIDENCE: "confidence", common_pb2.FUSION_MODE_SINGLE: "single"}
 
 
 class FusionMetrics:
@@ -29,86 +33,180 @@ class FusionMetrics:
         self.proposed = Counter("cosine_fusion_drafter_proposed_tokens_total", "tokens each drafter proposed", ["drafter"], registry=registry)
         self.accepted = Counter(
             "cosine_fusion_drafter_accepted_tokens_total", "proposed tokens on the path the target accepted", ["drafter"], registry=registry)
+        self.fused = Counter(
+            "cosine_fusion_fused_tokens_total", "confidence fusion: fused-chain tokens each drafter won", ["drafter"], registry=registry)
+        self.rounds = Counter("cosine_fusion_rounds_total", "rounds drafted, by fusion mode", ["mode"], registry=registry)
 
-    def judge(self, chains: dict[str, list[int]], committed: list[int]) -> None:
-        """committed: accepted drafts then the target's own token, so at most len - 1 are drafts."""
+    def judge(self, chains: dict[str, list[int]], committed: list[int], context: list[int] | None = None) -> None:
+        """committed: accepted drafts then the target's own token, so at most len - 1 are drafts.
+
+        ``context``: the chain the drafters continued from (confidence fusion's fused chain), None
+        when each drafted on its own. A token counts as accepted when it equals the target's and
+        the drafter's context up to it was accepted too."""
         accepted_path = committed[:-1]
         for name, chain in chains.items():
+            ctx = chain if context is None else context
             agreed = 0
-            for proposed, taken in zip(chain, accepted_path):
-                if proposed != taken:
+            for i, (proposed, taken) in enumerate(zip(chain, accepted_path)):
+                if i > 0 and (i - 1 >= len(ctx) or ctx[i - 1] != accepted_path[i - 1]):
                     break
-                agreed += 1
+                agreed += proposed == taken
             self.proposed.labels(name).inc(len(chain))
             self.accepted.labels(name).inc(agreed)
 
 
+class _Request:
+    """One Speculate stream: the drafters it may use, their streams (opened on first use), and the
+    committed tokens each has not been sent yet."""
+
+    def __init__(self, open_msg, names: list[str], mode: str):
+        self.request_id = open_msg.request_id
+        self.prompt = list(open_msg.prompt_token_ids)
+        self.names = names
+        self.mode = mode
+        self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
+        self.pending: dict[str, list[int]] = {n: [] for n in names}
+        # the previous round's proposals and their context, judged when its outcome arrives
+        self.chains: dict[str, list[int]] = {}
+        self.context: list[int] | None = None
+        self.metadata = None
+
+    def take(self, name: str) -> list[int]:
+        committed, self.pending[name] = self.pending[name], []
+        return committed
+
+
 class FusionServicer(fusion_pb2_grpc.FusionServicer):
+    """``top_k``: candidates per drafter and step in confidence fusion (side branches of the tree)."""
+
     def __init__(self, drafters: dict[str, drafter_pb2_grpc.DrafterStub], metrics: FusionMetrics | None = None,
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, top_k: int = 3):
         self.drafters = drafters
         self.metrics = metrics or FusionMetrics()
         self.tracing = tracing or Tracing("fusion")
+        self.top_k = top_k
 
     async def ListDrafters(self, request, context):
         infos = await asyncio.gather(*(stub.Info(common_pb2.InfoRequest(), timeout=10, metadata=self.tracing.metadata()) for stub in self.drafters.values()))
         return fusion_pb2.DrafterList(drafters=infos)
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):
-        calls: dict[str, grpc.aio.StreamStreamCall] = {}
-        chains: dict[str, list[int]] = {}  # the previous round's proposals, judged when its outcome arrives
+        req: _Request | None = None
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("kind")
                 if kind == "open":
-                    if calls:
+                    if req is not None:
                         raise invalid("Speculate stream opened twice")
-                    calls = await self._open(message.open, context)
+                    req = self._open(message.open)
                 elif kind == "round":
-                    if not calls:
+                    if req is None:
                         raise invalid("Speculate round before open")
-                    if chains:
-                        self.metrics.judge(chains, list(message.round.committed_token_ids))
-                    response, chains = await self._round(calls, message.round)
-                    yield response
+                    committed = list(message.round.committed_token_ids)
+                    if req.chains:
+                        self.metrics.judge(req.chains, committed, req.context)
+                    for pending in req.pending.values():
+                        pending.extend(committed)
+                    yield await self._round(req, message.round, context)
                 else:
                     raise invalid("Speculate message has neither open nor round")
         finally:
-            for call in calls.values():
-                close_quietly(call)
+            if req is not None:
+                for call in req.calls.values():
+                    close_quietly(call)
 
-    async def _open(self, open_msg, context) -> dict[str, grpc.aio.StreamStreamCall]:
+    def _open(self, open_msg) -> _Request:
         names = list(dict.fromkeys(open_msg.drafters))
         if not names:
             raise invalid("Speculate open names no drafter")
         unknown = [n for n in names if n not in self.drafters]
         if unknown:
             raise invalid(f"unknown drafter(s) {unknown}; this fusion node has {sorted(self.drafters)}")
-        calls = {}
-        open_req = drafter_pb2.DraftRequest(
-            open=drafter_pb2.DraftOpen(request_id=open_msg.request_id, prompt_token_ids=open_msg.prompt_token_ids)
-        )
-        for name in names:
-            calls[name] = self.drafters[name].Draft(timeout=context.time_remaining(), metadata=self.tracing.metadata())
-            await calls[name].write(open_req)
-        return calls
+        if open_msg.fusion not in MODES:
+            raise invalid(f"unknown fusion mode {open_msg.fusion}")
+        req = _Request(open_msg, names, MODES[open_msg.fusion])
+        req.metadata = self.tracing.metadata()  # drafter streams opened later are children of this Speculate call
+        return req
 
-    async def _round(self, calls, round_msg) -> tuple[fusion_pb2.SpeculateResponse, dict[str, list[int]]]:
+    async def _call(self, req: _Request, name: str, context) -> grpc.aio.StreamStreamCall:
+        call = req.calls.get(name)
+        if call is None:
+            call = self.drafters[name].Draft(timeout=context.time_remaining(), metadata=req.metadata)
+            req.calls[name] = call
+            await call.write(drafter_pb2.DraftRequest(
+                open=drafter_pb2.DraftOpen(request_id=req.request_id, prompt_token_ids=req.prompt)))
+        return call
+
+    async def _exchange(self, req: _Request, names: list[str], steps: dict[str, drafter_pb2.DraftStep], context) -> list:
+        async def one(name):
+            call = await self._call(req, name, context)
+            return await exchange(call, drafter_pb2.DraftRequest(step=steps[name]), f"drafter {name}")
+        try:
+            return await asyncio.gather(*(one(n) for n in names))
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"a drafter failed: {exc.details()}") from exc
+
+    async def _round(self, req: _Request, round_msg, context) -> fusion_pb2.SpeculateResponse:
         started = time.perf_counter()
-        with self.tracing.span("fusion.round", {"cosine.depth": round_msg.depth, "cosine.drafters": len(calls)},
+        names = list(dict.fromkeys(round_msg.drafters)) or req.names
+        outside = [n for n in names if n not in req.pending]
+        if outside:
+            raise invalid(f"round names drafter(s) {outside} the open did not: {req.names}")
+        if req.mode == "single":
+            names = names[:1]
+        depth = round_msg.depth
+        budget = round_msg.budget or max(depth, 1) * len(names)
+        with self.tracing.span("fusion.round", {"cosine.depth": depth, "cosine.drafters": len(names), "cosine.fusion": req.mode},
                                parent=round_msg.trace_context) as span:
-            step = drafter_pb2.DraftRequest(
-                step=drafter_pb2.DraftStep(committed_token_ids=round_msg.committed_token_ids, depth=round_msg.depth)
-            )
-            self.tracing.inject(step.step.trace_context)
-            try:
-                replies = await asyncio.gather(*(exchange(call, step, f"drafter {name}") for name, call in calls.items()))
-            except grpc.aio.AioRpcError as exc:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"a drafter failed: {exc.details()}") from exc
-            tree = merge_chains([(list(r.token_ids), list(r.probs)) for r in replies], budget=max(round_msg.depth, 1) * len(calls))
+            trace: dict[str, str] = {}
+            self.tracing.inject(trace)
+            if req.mode == "confidence":
+                tree, chains, fused, steps = await self._confidence(req, names, depth, budget, trace, context)
+                span.set_attribute("cosine.steps", steps)
+            else:
+                steps = {n: drafter_pb2.DraftStep(committed_token_ids=req.take(n), depth=depth, trace_context=trace) for n in names}
+                replies = await self._exchange(req, names, steps, context)
+                chains = {n: (list(r.token_ids), list(r.probs)) for n, r in zip(names, replies)}
+                fused = None
+                if req.mode == "single":
+                    tree = single_chain(*chains[names[0]], budget)
+                else:
+                    tree = merge_only(chains, budget)
             span.set_attribute("cosine.tree_size", len(tree.tokens))
-        chains = {name: list(r.token_ids) for name, r in zip(calls, replies)}
+        self.metrics.rounds.labels(req.mode).inc()
+        req.chains = {n: tokens for n, (tokens, _) in chains.items()}
+        req.context = fused
         return fusion_pb2.SpeculateResponse(
             tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
             draft_ms=(time.perf_counter() - started) * 1000,
-        ), chains
+            proposals=[fusion_pb2.DrafterProposal(drafter=n, token_ids=t, probs=p) for n, (t, p) in chains.items()],
+            fused_token_ids=fused or [],
+        )
+
+    async def _confidence(self, req: _Request, names: list[str], depth: int, budget: int, trace, context):
+        """Step-wise fusion: each step every drafter proposes top-k candidates after the fused chain;
+        the most confident wins and becomes the context of the next step."""
+        fusion = ConfidenceFusion(depth, budget, order=names)
+        chains: dict[str, tuple[list[int], list[float]]] = {n: ([], []) for n in names}
+        ended: set[str] = set()  # drafters that proposed nothing at some step: their chain ends there
+        first = True
+        asked = 0  # steps the drafters were asked for
+        while not fusion.done:
+            asked += 1
+            steps = {n: drafter_pb2.DraftStep(committed_token_ids=req.take(n) if first else [], depth=1, top_k=self.top_k,
+                                              context_token_ids=fusion.chain, trace_context=trace) for n in names}
+            first = False
+            replies = await self._exchange(req, names, steps, context)
+            candidates = {}
+            for n, r in zip(names, replies):
+                cands = list(zip(r.candidates[0].token_ids, r.candidates[0].probs)) if r.candidates else []
+                candidates[n] = cands
+                if cands and n not in ended:
+                    chains[n][0].append(cands[0][0])
+                    chains[n][1].append(cands[0][1])
+                elif not cands:
+                    ended.add(n)
+            if fusion.step(candidates) is None:
+                break
+            self.metrics.fused.labels(fusion.steps[-1].source).inc()
+        return fusion.tree(), chains, fusion.chain, asked

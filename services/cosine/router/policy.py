@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cosine.common.v1 import common_pb2
 from cosine.engine.sampling import Sampling
+
+FUSION_MODES = {v.number: v.name for v in common_pb2.FusionMode.DESCRIPTOR.values}
 
 
 class BadRequest(ValueError):
@@ -32,6 +35,12 @@ class Admission:
     drafters: list[str] = field(default_factory=list)
     speculate: bool = True
     max_depth: int | None = None
+    # drafters the scheduler's expertise routing may choose among (empty: the client named its drafters)
+    candidates: list[str] = field(default_factory=list)
+    # per-request switches (a common_pb2.FusionMode; None: the server's setting)
+    fusion: int = 0
+    routing: bool | None = None
+    adaptive_depth: bool | None = None
 
 
 def admit(request, limits: Limits, known_drafters: set[str], default_drafters: list[str], random_seed: int) -> Admission:
@@ -91,9 +100,17 @@ def admit(request, limits: Limits, known_drafters: set[str], default_drafters: l
         if spec.max_depth > limits.max_depth:
             raise BadRequest(f"speculation.max_depth must be at most {limits.max_depth}, got {spec.max_depth}")
         max_depth = spec.max_depth
+    if spec.fusion not in FUSION_MODES:
+        raise BadRequest(f"speculation.fusion must be one of {sorted(FUSION_MODES.values())}, got {spec.fusion}")
+    candidates: list[str] = []
     if not drafters:
-        drafters = [d for d in default_drafters if d in known_drafters][:1]
-    return Admission(text, messages, max_new, sampling, stop, drafters, not spec.disabled and bool(drafters), max_depth)
+        defaults = [d for d in default_drafters if d in known_drafters]
+        drafters = defaults[:1]
+        candidates = defaults + sorted(set(known_drafters) - set(defaults))
+    return Admission(text, messages, max_new, sampling, stop, drafters, not spec.disabled and bool(drafters), max_depth,
+                     candidates if not spec.disabled else [], spec.fusion,
+                     spec.routing if spec.HasField("routing") else None,
+                     spec.adaptive_depth if spec.HasField("adaptive_depth") else None)
 
 
 def check_lengths(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:

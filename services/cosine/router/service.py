@@ -125,9 +125,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         speculation = common_pb2.SpeculationParams(disabled=not admission.speculate, drafters=admission.drafters if admission.speculate else [])
         if admission.max_depth is not None:
             speculation.max_depth = admission.max_depth
+        if admission.speculate:  # the request's switches, passed on as they came
+            speculation.fusion = admission.fusion
+            if admission.routing is not None:
+                speculation.routing = admission.routing
+            if admission.adaptive_depth is not None:
+                speculation.adaptive_depth = admission.adaptive_depth
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid, prompt_token_ids=prompt_ids, max_new_tokens=admission.max_new_tokens, sampling=sampling,
             speculation=speculation, stop_token_ids=self.stop_token_ids,
+            candidate_drafters=admission.candidates if admission.speculate else [],
         )
         if self.tracing.enabled:
             set_span_attributes({"cosine.request_id": rid, "cosine.prompt_tokens": len(prompt_ids),
@@ -156,6 +163,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         break
                 elif kind == "final":
                     finish = reply.final.finish_reason
+                    if reply.final.stats.drafters:  # the drafters routing actually used
+                        del stats.drafters[:]
+                        stats.drafters.extend(reply.final.stats.drafters)
         finally:
             call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
         if finish == common_pb2.FINISH_REASON_UNSPECIFIED:

@@ -6,7 +6,7 @@ import logging
 
 import grpc
 import redis.asyncio as aioredis
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
 from cosine.common.server import GrpcService, channel_options, run_service
@@ -14,6 +14,7 @@ from cosine.common.state import RequestStore
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.scheduler.service import SchedulerConfig, SchedulerMetrics, SchedulerServicer
+from cosine.scheduler.switches import Switches
 from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from cosine.verifier.v1 import verifier_pb2_grpc
 
@@ -33,6 +34,26 @@ class SchedulerSettings(ServiceSettings):
     default_depth: int = Field(4, ge=0, description="draft depth per round unless a request says otherwise")
     max_depth: int = Field(16, ge=0, description="largest draft depth a request may ask for")
     startup_timeout_s: float = Field(600, ge=1, description="how long to wait for verifier and fusion at start-up")
+    switches: str = Field("", description=(
+        "mechanisms on/off, e.g. 'routing=off,fusion=merge,adaptive_depth=off,fixed_depth=3' "
+        "(routing on|off, fusion confidence|merge|single, adaptive_depth on|off, fixed_depth N, fixed_drafter NAME, "
+        "pipelining on|off: not built yet, rounds are synchronous); empty: the full system. "
+        "fixed_depth defaults to default_depth"))
+    routing_k: int = Field(2, ge=1, description="drafters per request expertise routing starts with")
+    routing_max_k: int = Field(3, ge=1, description="most drafters per request when the verifier idles")
+    routing_threshold: float = Field(1.0, ge=0, description="recent accepted length below which routing tries another drafter")
+    verifier_queue_high: int = Field(4, ge=1, description="requests waiting on the verifier at which speculation shrinks")
+
+    @field_validator("switches")
+    @classmethod
+    def _parse_switches(cls, value: str) -> str:
+        Switches.parse(value)
+        return value
+
+    def parsed_switches(self) -> Switches:
+        sw = Switches.parse(self.switches)
+        explicit = any(part.split("=")[0].strip().replace("-", "_") == "fixed_depth" for part in self.switches.split(","))
+        return sw if explicit else sw.replace(fixed_depth=self.default_depth)
 
 
 class TokenizerMismatch(RuntimeError):
@@ -71,14 +92,16 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
         await client.aclose()
 
     service = GrpcService("scheduler", settings, register, on_stop)
-    config = SchedulerConfig(settings.default_depth, settings.max_depth)
+    config = SchedulerConfig(settings.default_depth, settings.max_depth, switches=settings.parsed_switches(),
+                             routing_k=settings.routing_k, routing_max_k=max(settings.routing_k, settings.routing_max_k),
+                             routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high)
     servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     await service.start()
     target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)
     config.max_context = target.max_context
-    log.info("target %s (vocab %d, context %d); drafters %s", target.name, target.vocab_size, target.max_context,
-             [d.name for d in drafters])
+    log.info("target %s (vocab %d, context %d); drafters %s; switches %s", target.name, target.vocab_size, target.max_context,
+             [d.name for d in drafters], config.switches)
     await service.set_ready()
     return service
 

@@ -13,6 +13,8 @@ average ``τ(d) = (1 − α^(d+1)) / (1 − α)`` tokens per round (accepted + b
 **Does speculation pay?** A round of depth d costs ``d·c + v(d)`` (c: one draft
 step, v(d): a verification of d+1 positions; with pipelining the drafting
 hides behind verification of another group and the cost is ``max(d·c, v(d))``).
+A round that drafts at all also pays a fixed ``draft_overhead_s`` (the
+round trip to the drafters and their prefill of the newly committed tokens).
 `best_depth` maximises tokens per second ``τ(d) / cost(d)`` over
 ``0..max_depth`` and returns 0 — plain decoding through the verifier — unless
 the best depth beats d = 0 by ``margin``. So speculation is never chosen when
@@ -63,10 +65,11 @@ class SpeculationCosts:
     verify_s: float  # verification of one position (depth 0)
     verify_per_token_s: float = 0.0  # extra per drafted token verified
     pipelined: bool = False  # drafting overlaps verification
+    draft_overhead_s: float = 0.0  # fixed cost of a round that drafts at all (round trips, prefill)
 
     def round_s(self, depth: int) -> float:
         v = self.verify_s + self.verify_per_token_s * depth
-        d = self.draft_step_s * depth
+        d = self.draft_step_s * depth + (self.draft_overhead_s if depth > 0 else 0.0)
         return max(d, v) if self.pipelined else d + v
 
     @classmethod

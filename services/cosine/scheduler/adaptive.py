@@ -1,0 +1,158 @@
+"""What adaptive speculation control measures and how it turns measurements into depths (pure logic).
+
+* `LinearFit` — exponentially weighted least squares ``y ≈ a + b·x``.
+* `CostModel` — the costs `best_depth` needs, fitted from what the services report each
+  round: fusion's ``draft_ms`` against the round's depth (a draft round costs
+  ``overhead + c·d``: c is one step of the slowest drafter, the overhead the
+  round trip and the prefill of newly committed tokens), the verifier's
+  ``verify_ms`` against the tree's size (``v0 + v1·nodes``), and the rest of a
+  round's wall time (the scheduler's own round trips and the Redis commit) as a
+  per-round cost that speculation amortises. While all rounds had one depth the
+  slope is not identifiable: drafting time is then put on the steps (c = mean /
+  depth, no overhead — pessimistic for speculation) and verification time on the
+  intercept (no per-node cost — verifying a few more positions is nearly free on
+  the hardware we serve on).
+* `LoadMeter` — the global controller's reading of the verifier's load, as seen from
+  this scheduler: the fraction of wall time in which none of its requests was
+  waiting on the verifier (idle), and how many were waiting when read (queue).
+* `DepthChooser` — a request's `RequestSpeculation` plus probing: a request whose
+  depth is 0 (speculation does not pay) learns nothing about its acceptance, so
+  every ``probe_every``-th plain round drafts ``probe_depth`` tokens to find out
+  whether it pays again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cosine.scheduler.speculation import RequestSpeculation, SpeculationCosts
+
+
+@dataclass
+class LinearFit:
+    decay: float = 0.95
+    w: float = 0.0
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+    n: int = 0  # observations, undecayed
+
+    def add(self, x: float, y: float) -> None:
+        d = self.decay
+        self.n += 1
+        self.w = self.w * d + 1.0
+        self.sx = self.sx * d + x
+        self.sy = self.sy * d + y
+        self.sxx = self.sxx * d + x * x
+        self.sxy = self.sxy * d + x * y
+
+    def means(self) -> tuple[float, float]:
+        return (self.sx / self.w, self.sy / self.w) if self.w > 0 else (0.0, 0.0)
+
+    def slope(self, min_spread: float = 0.25) -> float | None:
+        """b, or None when x has (almost) no spread: the slope is not identifiable."""
+        if self.w <= 0:
+            return None
+        mx, my = self.means()
+        var = self.sxx / self.w - mx * mx
+        if var < min_spread * min_spread:
+            return None
+        return (self.sxy / self.w - mx * my) / var
+
+
+@dataclass
+class CostModel:
+    decay: float = 0.95
+    min_rounds: int = 3  # draft and verify observations before costs are trusted
+    draft: LinearFit = field(default_factory=LinearFit)
+    verify: LinearFit = field(default_factory=LinearFit)
+    overhead_s: float | None = None  # EMA of a round's wall time beyond draft and verify compute
+    overhead_alpha: float = 0.1
+
+    def __post_init__(self) -> None:
+        self.draft.decay = self.verify.decay = self.decay
+
+    def observe_draft(self, depth: int, seconds: float) -> None:
+        if depth > 0 and seconds >= 0:
+            self.draft.add(depth, seconds)
+
+    def observe_verify(self, nodes: int, seconds: float) -> None:
+        if nodes >= 0 and seconds >= 0:
+            self.verify.add(nodes, seconds)
+
+    def observe_overhead(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.overhead_s = seconds if self.overhead_s is None else self.overhead_s + self.overhead_alpha * (seconds - self.overhead_s)
+
+    def costs(self, pipelined: bool = False) -> SpeculationCosts | None:
+        """The fitted costs, or None until both fits have ``min_rounds`` observations."""
+        if self.draft.n < self.min_rounds or self.verify.n < self.min_rounds:
+            return None
+        mx, my = self.draft.means()
+        c = self.draft.slope()
+        if c is None or c <= 0:
+            c, draft_overhead = (my / mx if mx > 0 else 0.0), 0.0
+        else:
+            draft_overhead = max(0.0, my - c * mx)
+        vx, vy = self.verify.means()
+        v1 = self.verify.slope()
+        if v1 is None or v1 < 0:
+            v0, v1 = vy, 0.0
+        else:
+            v0 = max(0.0, vy - v1 * vx)
+        return SpeculationCosts(draft_step_s=max(0.0, c), verify_s=v0 + (self.overhead_s or 0.0), verify_per_token_s=v1,
+                                pipelined=pipelined, draft_overhead_s=draft_overhead)
+
+
+class LoadMeter:
+    """Requests of this scheduler waiting on the verifier, over windows of wall time (times from the caller)."""
+
+    def __init__(self, now: float):
+        self.waiting = 0
+        self.window_start = now
+        self.busy_s = 0.0
+        self._busy_since: float | None = None
+
+    def enter(self, now: float) -> None:
+        if self.waiting == 0:
+            self._busy_since = now
+        self.waiting += 1
+
+    def leave(self, now: float) -> None:
+        if self.waiting <= 0:
+            raise ValueError("leave without enter")
+        self.waiting -= 1
+        if self.waiting == 0 and self._busy_since is not None:
+            self.busy_s += now - max(self._busy_since, self.window_start)
+            self._busy_since = None
+
+    def read(self, now: float) -> tuple[float, int]:
+        """(idle fraction of the window, requests waiting now); starts a new window."""
+        busy = self.busy_s
+        if self._busy_since is not None:
+            busy += now - max(self._busy_since, self.window_start)
+        elapsed = now - self.window_start
+        idle = 1.0 - min(1.0, busy / elapsed) if elapsed > 0 else 0.0
+        self.window_start, self.busy_s = now, 0.0
+        return idle, self.waiting
+
+
+@dataclass
+class DepthChooser:
+    speculation: RequestSpeculation
+    probe_every: int = 8
+    probe_depth: int = 2
+    plain_rounds: int = 0
+
+    def choose(self, costs: SpeculationCosts | None, cap: int | None = None) -> int:
+        d = self.speculation.depth(costs, cap)
+        limit = self.speculation.max_depth if cap is None else min(self.speculation.max_depth, cap)
+        if d > 0 or limit <= 0:
+            self.plain_rounds = 0
+            return d
+        self.plain_rounds += 1
+        if self.plain_rounds >= self.probe_every:
+            self.plain_rounds = 0
+            return min(self.probe_depth, limit)
+        return 0
