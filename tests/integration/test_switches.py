@@ -7,11 +7,16 @@ come from its settings (COSINE_SCHEDULER_SWITCHES).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
 
 from cosine.common.v1 import common_pb2
+from cosine.drafter.__main__ import DrafterSettings
+from cosine.drafter.__main__ import serve as serve_drafter
+from cosine.fusion.__main__ import FusionSettings
+from cosine.fusion.__main__ import serve as serve_fusion
 from cosine.router.__main__ import RouterSettings
 from cosine.router.__main__ import serve as serve_router
 from cosine.scheduler.__main__ import SchedulerSettings
@@ -21,8 +26,9 @@ from tests.integration.test_services import PROMPTS, generate, no_eos, reference
 
 FUSION = {"confidence": common_pb2.FUSION_MODE_CONFIDENCE, "merge": common_pb2.FUSION_MODE_MERGE,
           "single": common_pb2.FUSION_MODE_SINGLE}
-PROMPTS3 = [PROMPTS[0], PROMPTS[1], "a b c a b c a b"]
-N = 20
+PROMPTS3 = [PROMPTS[0], PROMPTS[1], PROMPTS[3], "a b c a b c a b"]
+N = 32
+COMBINATIONS = list(itertools.product(FUSION, (True, False), (True, False)))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,7 @@ async def plain(services):
     return out
 
 
-@pytest.mark.parametrize("fusion,adaptive,routing", list(itertools.product(FUSION, (True, False), (True, False))))
+@pytest.mark.parametrize("fusion,adaptive,routing", COMBINATIONS)
 async def test_greedy_output_is_the_targets_under_every_switch(services, reference, plain, fusion, adaptive, routing):  # noqa: F811
     before = (await scrape_all(services))["fusion"]
     drafted = 0
@@ -56,6 +62,18 @@ async def test_greedy_output_is_the_targets_under_every_switch(services, referen
     after = (await scrape_all(services))["fusion"]
     moved = (value(after, "cosine_fusion_rounds_total", mode=fusion) or 0) - (value(before, "cosine_fusion_rounds_total", mode=fusion) or 0)
     assert moved > 0, f"fusion ran no {fusion} round"
+
+
+async def test_every_combination_at_once(services, plain):
+    """Requests with different switches in flight together: the verifier batches their different trees."""
+    # one request per combination: 12 in flight, within the verifier's and the drafters' 16 KV slots
+    jobs = [(PROMPTS3[i % len(PROMPTS3)], combo) for i, combo in enumerate(COMBINATIONS)]
+    results = await asyncio.gather(*(
+        generate(services.router, prompt=prompt.encode(), max_new_tokens=N, speculation={
+            "fusion": FUSION[fusion], "adaptive_depth": adaptive, "routing": routing})
+        for prompt, (fusion, adaptive, routing) in jobs))
+    for (prompt, combo), (ids, _, _) in zip(jobs, results):
+        assert ids == plain[prompt], (prompt, combo)
 
 
 @pytest.mark.parametrize("fusion", list(FUSION))
@@ -93,3 +111,56 @@ async def test_a_scheduler_configured_with_switches(services, reference, redis_s
         if router is not None:
             await router.stop()
         await scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def other_drafter_dir(tmp_path_factory, tiny_dirs):
+    """Another tiny random LM on the target's tokenizer. Untied: a tied random model mostly repeats its input
+    token, as the tied random target does, so it would agree with the target; this one does not."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_dirs["target"]))
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id))
+    path = tmp_path_factory.mktemp("tiny-other")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+async def test_routing_moves_to_the_drafter_the_target_agrees_with(services, reference, redis_server, tiny_dirs,  # noqa: F811
+                                                                   other_drafter_dir):
+    """One drafter per round (k = 1). The router's first default is a random LM the target does not agree with,
+    the second prompt lookup, which a looping target agrees with: routing must try it and then keep it."""
+    common = {"port": 0, "drain_timeout_s": 1.0, "metrics_port": 0}
+    started = []
+    try:
+        other = await serve_drafter(DrafterSettings(name="other", kind="lm", model=str(other_drafter_dir), threads=1, **common))
+        started.append(other)
+        fusion = await serve_fusion(FusionSettings(
+            drafters=f"other=127.0.0.1:{other.port},ngram=127.0.0.1:{services['drafter-ngram'].port}", **common))
+        started.append(fusion)
+        scheduler = await serve_scheduler(SchedulerSettings(
+            verifier=f"127.0.0.1:{services['verifier'].port}", fusion=f"127.0.0.1:{fusion.port}",
+            redis_url=redis_server, startup_timeout_s=30, switches="adaptive_depth=off", routing_k=1, routing_max_k=1, **common))
+        started.append(scheduler)
+        router = await serve_router(RouterSettings(
+            scheduler=f"127.0.0.1:{scheduler.port}", fusion=f"127.0.0.1:{fusion.port}",
+            model=str(tiny_dirs["target"]), default_drafters=["other", "ngram"], **common))
+        started.append(router)
+        routed = scheduler.servicer.metrics.routed
+        for prompt in ("a b c a b c a b", PROMPTS[1]):  # the tiny random target falls into loops prompt lookup predicts
+            before = {n: routed.labels(n)._value.get() for n in ("other", "ngram")}
+            ids, _, final = await generate(f"127.0.0.1:{router.port}", prompt=prompt.encode(), max_new_tokens=64)
+            assert ids == no_eos(reference(prompt, 64))
+            chosen = {n: routed.labels(n)._value.get() - before[n] for n in ("other", "ngram")}
+            assert list(final.stats.drafters) == ["other", "ngram"]  # the first default, then the one routing explored
+            assert chosen["ngram"] >= 0.8 * final.stats.rounds > chosen["other"], (chosen, final.stats)
+            assert final.stats.accepted_tokens > 0
+    finally:
+        for service in reversed(started):
+            await service.stop()
