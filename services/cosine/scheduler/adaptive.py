@@ -7,7 +7,9 @@
   round trip and the prefill of newly committed tokens), the verifier's
   ``verify_ms`` against the tree's size (``v0 + v1·nodes``), and the rest of a
   round's wall time (the scheduler's own round trips and the Redis commit) as a
-  per-round cost that speculation amortises. While all rounds had one depth the
+  per-round cost that speculation amortises. Drafting is fitted per configuration
+  (fusion mode and number of drafters: confidence fusion exchanges a message per
+  step, merging one per round). While all rounds had one depth the
   slope is not identifiable: drafting time is then put on the steps (c = mean /
   depth, no overhead — pessimistic for speculation) and verification time on the
   intercept (no per-node cost — verifying a few more positions is nearly free on
@@ -23,6 +25,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from cosine.scheduler.speculation import RequestSpeculation, SpeculationCosts
@@ -65,17 +68,19 @@ class LinearFit:
 class CostModel:
     decay: float = 0.95
     min_rounds: int = 3  # draft and verify observations before costs are trusted
-    draft: LinearFit = field(default_factory=LinearFit)
+    drafts: dict[Hashable, LinearFit] = field(default_factory=dict)  # by drafting configuration
     verify: LinearFit = field(default_factory=LinearFit)
     overhead_s: float | None = None  # EMA of a round's wall time beyond draft and verify compute
     overhead_alpha: float = 0.1
 
     def __post_init__(self) -> None:
-        self.draft.decay = self.verify.decay = self.decay
+        self.verify.decay = self.decay
 
-    def observe_draft(self, depth: int, seconds: float) -> None:
+    def observe_draft(self, depth: int, seconds: float, key: Hashable = None) -> None:
+        """One drafting round; ``key`` names its configuration (e.g. fusion mode and drafter count),
+        which a round's cost depends on: each has its own fit."""
         if depth > 0 and seconds >= 0:
-            self.draft.add(depth, seconds)
+            self.drafts.setdefault(key, LinearFit(self.decay)).add(depth, seconds)
 
     def observe_verify(self, nodes: int, seconds: float) -> None:
         if nodes >= 0 and seconds >= 0:
@@ -85,12 +90,14 @@ class CostModel:
         seconds = max(0.0, seconds)
         self.overhead_s = seconds if self.overhead_s is None else self.overhead_s + self.overhead_alpha * (seconds - self.overhead_s)
 
-    def costs(self, pipelined: bool = False) -> SpeculationCosts | None:
-        """The fitted costs, or None until both fits have ``min_rounds`` observations."""
-        if self.draft.n < self.min_rounds or self.verify.n < self.min_rounds:
+    def costs(self, key: Hashable = None, pipelined: bool = False) -> SpeculationCosts | None:
+        """The fitted costs of drafting configuration ``key``, or None until its draft fit and the
+        verify fit have ``min_rounds`` observations each."""
+        draft = self.drafts.get(key)
+        if draft is None or draft.n < self.min_rounds or self.verify.n < self.min_rounds:
             return None
-        mx, my = self.draft.means()
-        c = self.draft.slope()
+        mx, my = draft.means()
+        c = draft.slope()
         if c is None or c <= 0:
             c, draft_overhead = (my / mx if mx > 0 else 0.0), 0.0
         else:

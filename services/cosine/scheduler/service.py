@@ -236,7 +236,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             drafters = drafters[-1:] if explore else drafters[:1]
         if plan.depth is None:
             return min(plan.fixed_depth, room), drafters, 0
-        d = min(plan.depth.choose(self.costs.costs(), self.controller.depth_cap), room)
+        d = min(plan.depth.choose(self.costs.costs((plan.switches.fusion, len(drafters))), self.controller.depth_cap), room)
         budget = 0
         if d > 0 and plan.switches.fusion == "confidence":  # side branches in proportion to the uncertainty
             budget = plan.depth.speculation.budget(d, 1.0, max_budget=d * (1 + len(drafters)))
@@ -302,7 +302,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             stats.drafted_tokens += drafted
             stats.accepted_tokens += accepted
             chain = tree_depth(tree.parents)
-            self._learn(plan, reply, d, chain, min(verdict.accepted_draft, chain), list(verdict.token_ids),
+            self._learn(plan, reply, d, len(drafters), chain, min(verdict.accepted_draft, chain), list(verdict.token_ids),
                         draft_ms / 1000, verdict.verify_ms / 1000, drafted, t3 - t0)
             self._observe(drafted, accepted, len(cut.token_ids), t1 - t0, t2 - t1, t3 - t2, draft_ms / 1000, verdict.verify_ms / 1000)
             self._observe_speculation(d, drafters, chain, accepted)
@@ -314,10 +314,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     finish_reason=cut.finish_reason, stats=stats))
                 return
 
-    def _learn(self, plan: RequestPlan, reply, depth, chain, accepted, target_tokens, draft_s, verify_s, nodes, round_s) -> None:
+    def _learn(self, plan: RequestPlan, reply, depth, n_drafters, chain, accepted, target_tokens, draft_s, verify_s, nodes,
+               round_s) -> None:
         """Feed one verified round to the cost model, the request's acceptance estimate and its routing scores."""
         if depth > 0 and reply is not None:
-            self.costs.observe_draft(depth, draft_s)
+            self.costs.observe_draft(depth, draft_s, (plan.switches.fusion, n_drafters))
         self.costs.observe_verify(nodes, verify_s)
         self.costs.observe_overhead(round_s - draft_s - verify_s)
         if plan.depth is not None and chain > 0:

@@ -38,6 +38,17 @@ def test_cost_model_fits_draft_steps_overhead_and_verification():
     assert c.round_s(0) == pytest.approx(0.013) and c.round_s(2) == pytest.approx(0.013 + 0.001 + 0.002 + 0.002)
 
 
+def test_cost_model_fits_each_drafting_configuration_apart():
+    model = CostModel(decay=1.0)
+    for d in (1, 2, 3):
+        model.observe_draft(d, 0.004 * d, key=("confidence", 2))  # a message exchange per step
+        model.observe_draft(d, 0.004 + 0.001 * d, key=("merge", 2))  # one exchange per round
+        model.observe_verify(d, 0.010)
+    assert model.costs(("confidence", 2)).draft_step_s == pytest.approx(0.004)
+    assert model.costs(("merge", 2)).draft_step_s == pytest.approx(0.001)
+    assert model.costs(("single", 1)) is None  # never measured: the caller explores at its cap
+
+
 def test_cost_model_with_one_depth_puts_drafting_on_the_steps():
     model = CostModel()
     for _ in range(4):
