@@ -52,12 +52,11 @@ async def test_greedy_output_is_the_targets_under_every_switch(services, referen
         assert ids == plain[prompt] == no_eos(reference(prompt, N)), (prompt, fusion, adaptive, routing)
         drafted += final.stats.drafted_tokens
         used = list(final.stats.drafters)
-        if not routing or fusion == "single":
-            assert len(used) <= 1 or (routing and fusion == "single"), used  # single with routing may explore
         if not routing:
             assert used in ([], ["ngram"]), used  # the fixed drafter: the router's first default
-        if routing and fusion != "single" and final.stats.drafted_tokens:
-            assert set(used) == {"ngram", "tiny"}, used  # routing exploits the top 2 of the two candidates
+        else:  # routing starts with the router's order (no evidence yet), then may add or explore the other
+            # candidate; how many it exploits is the global controller's, which moves with the verifier's load
+            assert set(used) <= {"ngram", "tiny"} and used[:1] in ([], ["ngram"]), used
     assert drafted > 0
     after = (await scrape_all(services))["fusion"]
     moved = (value(after, "cosine_fusion_rounds_total", mode=fusion) or 0) - (value(before, "cosine_fusion_rounds_total", mode=fusion) or 0)

@@ -163,9 +163,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         break
                 elif kind == "final":
                     finish = reply.final.finish_reason
-                    if reply.final.stats.drafters:  # the drafters routing actually used
-                        del stats.drafters[:]
-                        stats.drafters.extend(reply.final.stats.drafters)
+                    del stats.drafters[:]  # the drafters that drafted, as the scheduler's routing chose them
+                    stats.drafters.extend(reply.final.stats.drafters)
         finally:
             call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
         if finish == common_pb2.FINISH_REASON_UNSPECIFIED:

@@ -331,7 +331,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _observe_speculation(self, depth, drafters, chain, accepted) -> None:
         m = self.metrics
         m.depth.observe(depth)
-        for name in drafters:
+        for name in drafters if depth > 0 else ():  # the drafters that drafted this round
             m.routed.labels(name).inc()
         for position in range(chain):
             m.position_drafted.labels(str(position)).inc()
