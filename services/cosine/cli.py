@@ -7,9 +7,12 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 
 EPILOG = """examples:
   cosine zoo                          prepare the default models (first run: about a minute)
+  cosine zoo build                    distil a drafter per domain from the target (default budget: 20 minutes)
+  cosine zoo eval --json zoo.json     every drafter on every domain's held-out prompts: tau, c, predicted speedup
   cosine up                           start the local cluster; Ctrl-C stops it
   cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
@@ -24,7 +27,7 @@ def _zoo(args) -> int:
 
     if args.action == "path":
         try:
-            print(registry.path_of(args.name))
+            print(registry.path_of(args.names[0] if args.names else "target"))
         except FileNotFoundError as exc:
             print(exc, file=sys.stderr)
             return 1
@@ -37,10 +40,65 @@ def _zoo(args) -> int:
             for e in entries:
                 print(f"{e.name:14} {e.kind:7} {e.domain:10} {e.path or '(built in)'}")
         return 0
+    if args.action == "build":
+        return _zoo_build(args)
+    if args.action == "eval":
+        return _zoo_eval(args)
     from cosine.zoo.prepare import prepare_all
 
     for path in prepare_all(force=args.force):
         print(path)
+    return 0
+
+
+def _zoo_build(args) -> int:
+    from cosine.zoo.build import BuildConfig, build, format_table, report_dir
+    from cosine.zoo.corpora import DOMAINS
+    from cosine.zoo.prepare import prepare_all
+
+    domains = tuple(args.domains.split(",")) if args.domains else DOMAINS
+    unknown = set(domains) - set(DOMAINS)
+    if unknown:
+        print(f"unknown domain(s) {sorted(unknown)}; known: {', '.join(DOMAINS)}", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    prepare_all()
+    cfg = BuildConfig(minutes=args.minutes, domains=domains, layers=tuple(int(x) for x in args.layers.split(",")),
+                      vocab_size=args.vocab_size, seed=args.seed, force=args.force)
+    for path in build(cfg):
+        print(path)
+    report = json.loads((report_dir() / "eval.json").read_text())
+    print(format_table(_int_keys(report)))
+    return 0
+
+
+def _int_keys(report: dict) -> dict:
+    """eval.json stores depths as strings (JSON keys); the table wants ints."""
+    for s in report["drafters"]:
+        for row in s["by_domain"].values():
+            for key in ("tau", "speedup"):
+                row[key] = {int(d): v for d, v in row[key].items()}
+    report["verify_ratio"] = {int(d): v for d, v in report["verify_ratio"].items()}
+    return report
+
+
+def _zoo_eval(args) -> int:
+    from cosine.zoo.build import format_table, run_eval
+
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    out = Path(args.json).parent if args.json and args.json != "-" else None
+    report, paths = run_eval(args.names or None, seed=args.seed, out=out)
+    if args.json and args.json != "-" and Path(args.json) != paths["json"]:
+        Path(args.json).write_text(paths["json"].read_text())
+        paths["json"] = Path(args.json)
+    print(format_table(report))
+    print(f"wrote {paths['json']} and {paths['png']}")
     return 0
 
 
@@ -144,11 +202,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    zoo = sub.add_parser("zoo", help="prepare and find models (default: prepare what is missing)")
-    zoo.add_argument("action", nargs="?", choices=["prepare", "list", "path"], default="prepare")
-    zoo.add_argument("name", nargs="?", default="target", help="for path: the model's name (target, lm-2layer, ...)")
-    zoo.add_argument("--json", action="store_true", help="for list: print JSON")
-    zoo.add_argument("--force", action="store_true", help="for prepare: rebuild even if present")
+    zoo = sub.add_parser(
+        "zoo", help="prepare, build, evaluate and find models (default: prepare what is missing)",
+        description="prepare: the target (and an untrained drafter); build: distil a drafter per domain "
+                    "(code, docs, literary, chat) from the target's own continuations, resumable, cached in "
+                    "$COSINE_CACHE; eval: tau at depths 1-8, top-1 agreement, cost ratio c and predicted speedup "
+                    "of every drafter on every domain's held-out prompts (table, JSON, heat-map PNG); "
+                    "list / path NAME: what is prepared and where.")
+    zoo.add_argument("action", nargs="?", choices=["prepare", "build", "eval", "list", "path"], default="prepare")
+    zoo.add_argument("names", nargs="*", default=[], help="for path: the model's name (target, lm-code, ...); "
+                     "for eval: drafters to evaluate (default: all)")
+    zoo.add_argument("--json", nargs="?", const="-", default=None,
+                     help="for list: print JSON; for eval: also write the report to this path")
+    zoo.add_argument("--force", action="store_true", help="for prepare/build: rebuild even if present")
+    zoo.add_argument("--minutes", type=float, default=20.0, help="for build: wall-clock budget of the whole build")
+    zoo.add_argument("--domains", default="", help="for build: comma-separated subset of code,docs,literary,chat")
+    zoo.add_argument("--layers", default="0,1", help="for build: target layers the drafters start from")
+    zoo.add_argument("--vocab-size", type=int, default=8192, help="for build: rows of each drafter's reduced head")
+    zoo.add_argument("--seed", type=int, default=0, help="for build/eval: seed of prompts, splits and training")
+    zoo.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     zoo.set_defaults(func=_zoo)
 
     up = sub.add_parser("up", help="start Redis and every service on loopback")

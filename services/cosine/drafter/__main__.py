@@ -32,6 +32,8 @@ def build(settings: DrafterSettings):
     from cosine.engine.drafters import LMDrafter, NativeLMDrafter, NgramDrafter
     from cosine.engine.llama import NativeLlama
     from cosine.engine.models import load_causal_lm, tokenizer_fingerprint
+    from cosine.engine.vocab import FILE as VOCAB_FILE
+    from cosine.engine.vocab import DraftVocab
     from cosine.zoo.registry import path_of
 
     if settings.threads:
@@ -39,11 +41,28 @@ def build(settings: DrafterSettings):
     if settings.kind == "ngram":
         return NgramDrafter(settings.name), ""
     path = path_of(settings.model or "lm-2layer")
-    tok_hash = tokenizer_fingerprint(path)[1]
+    tok_size, tok_hash = tokenizer_fingerprint(path)
+    vocab = DraftVocab.load(path)  # a reduced drafting vocabulary, when the checkpoint has one
+    if vocab is not None and not tok_size:
+        raise ValueError(f"{path} has {VOCAB_FILE} but no tokenizer: the target's vocabulary size is unknown")
+    extra = {"vocab": vocab, "target_vocab_size": tok_size if vocab is not None else 0}
+    domain = settings.domain if settings.domain != "general" else _card_domain(path)
     if settings.backend == "native" or (settings.backend == "auto" and NativeLlama.supports(path)):
         model = NativeLlama.from_pretrained(path, device=settings.device, dtype=settings.dtype)
-        return NativeLMDrafter(settings.name, model, settings.domain, n_slots=settings.max_requests), tok_hash
-    return LMDrafter(settings.name, load_causal_lm(path, settings.device, settings.dtype), settings.domain), tok_hash
+        return NativeLMDrafter(settings.name, model, domain, n_slots=settings.max_requests, **extra), tok_hash
+    return LMDrafter(settings.name, load_causal_lm(path, settings.device, settings.dtype), domain, **extra), tok_hash
+
+
+def _card_domain(path) -> str:
+    """The domain written in a zoo model's card (cosine.json), else "general"."""
+    import json
+
+    from cosine.zoo.registry import CARD
+
+    try:
+        return str(json.loads((path / CARD).read_text()).get("domain") or "general")
+    except (OSError, ValueError):
+        return "general"
 
 
 async def serve(settings: DrafterSettings) -> GrpcService:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cosine.engine.vocab import DraftVocab
+
 
 class Drafter(abc.ABC):
     """The contract every drafter kind fulfils."""
@@ -108,6 +110,13 @@ class _CachedLMDrafter(Drafter):
 
     kind = "lm"
     _slots: dict[str, _LMSlot]
+    # A reduced drafting vocabulary (draft_vocab.json beside the checkpoint): the model's input and
+    # output indices are positions in `vocab`; everything outside this class speaks target token ids.
+    vocab: DraftVocab | None = None
+    target_vocab_size: int = 0  # with `vocab`: the size of the target's (tokenizer's) vocabulary
+
+    def _to_target(self, index: int) -> int:
+        return self.vocab.token_ids[index] if self.vocab is not None else index
 
     def _requests(self) -> dict:
         return self._slots
@@ -124,7 +133,7 @@ class _CachedLMDrafter(Drafter):
         return None
 
     def _forward(self, slot: _LMSlot, ids: list[int]) -> torch.Tensor:
-        logits = self._run(slot, ids, len(slot.cached))
+        logits = self._run(slot, self.vocab.to_draft(ids) if self.vocab is not None else ids, len(slot.cached))
         slot.cached.extend(ids)
         return logits.float()
 
@@ -150,7 +159,7 @@ class _CachedLMDrafter(Drafter):
             return []
         p = torch.softmax(self._logits_after(slot, seq), dim=-1)
         top = torch.topk(p, min(top_k, p.numel()))
-        return [(int(t), float(q)) for t, q in zip(top.indices, top.values)]
+        return [(self._to_target(int(t)), float(q)) for t, q in zip(top.indices, top.values)]
 
     @torch.inference_mode()
     def draft(self, request_id: str, committed: list[int], depth: int, context: Sequence[int] = ()) -> tuple[list[int], list[float]]:
@@ -167,9 +176,10 @@ class _CachedLMDrafter(Drafter):
         probs: list[float] = []
         for step in range(depth):
             p = torch.softmax(logits, dim=-1)
-            tok = int(p.argmax())
+            index = int(p.argmax())
+            tok = self._to_target(index)
             tokens.append(tok)
-            probs.append(float(p[tok]))
+            probs.append(float(p[index]))
             if step + 1 < depth:
                 logits = self._forward(slot, [tok])
         return tokens, probs
@@ -178,16 +188,17 @@ class _CachedLMDrafter(Drafter):
 class LMDrafter(_CachedLMDrafter):
     """A small causal LM through `transformers` (any architecture), one DynamicCache per request."""
 
-    def __init__(self, name: str, model, domain: str = "general"):
+    def __init__(self, name: str, model, domain: str = "general", vocab: DraftVocab | None = None, target_vocab_size: int = 0):
         self.name = name
         self.model = model
         self.domain = domain
+        self.vocab, self.target_vocab_size = vocab, target_vocab_size
         self.device = next(model.parameters()).device
         self._slots = {}
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
+        return self.target_vocab_size or int(self.model.config.vocab_size)
 
     def open(self, request_id: str, prompt: list[int]) -> None:
         from transformers import DynamicCache
@@ -208,16 +219,18 @@ class LMDrafter(_CachedLMDrafter):
 class NativeLMDrafter(_CachedLMDrafter):
     """A Llama-family drafter on the native engine: one preallocated KV slot per request, cut back by bookkeeping."""
 
-    def __init__(self, name: str, model, domain: str = "general", n_slots: int = 16, max_len: int = 4096):
+    def __init__(self, name: str, model, domain: str = "general", n_slots: int = 16, max_len: int = 4096,
+                 vocab: DraftVocab | None = None, target_vocab_size: int = 0):
         self.name = name
         self.model = model  # cosine.engine.llama.NativeLlama
         self.domain = domain
+        self.vocab, self.target_vocab_size = vocab, target_vocab_size
         self.kv = model.new_cache(n_slots, min(max_len, model.max_positions))
         self._slots = {}
 
     @property
     def vocab_size(self) -> int:
-        return int(self.model.spec.vocab_size)
+        return self.target_vocab_size or int(self.model.spec.vocab_size)
 
     def open(self, request_id: str, prompt: list[int]) -> None:
         self.release(request_id)
