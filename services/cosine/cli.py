@@ -68,10 +68,13 @@ def _zoo_build(args) -> int:
     prepare_all()
     cfg = BuildConfig(minutes=args.minutes, domains=domains, layers=tuple(int(x) for x in args.layers.split(",")),
                       vocab_size=args.vocab_size, seed=args.seed, force=args.force)
-    for path in build(cfg):
+    built = build(cfg)
+    for path in built:
         print(path)
-    report = json.loads((report_dir() / "eval.json").read_text())
-    print(format_table(_int_keys(report)))
+    if not built:
+        print(f"every drafter of {', '.join(domains)} is built (--force rebuilds)")
+    if (report_dir() / "eval.json").exists():
+        print(format_table(_int_keys(json.loads((report_dir() / "eval.json").read_text()))))
     return 0
 
 

@@ -34,13 +34,23 @@ class DrafterSpec:
     domain: str = "general"
 
 
+def zoo_drafters() -> list[DrafterSpec]:
+    """The drafters a local cluster runs by default: prompt lookup plus every domain drafter `cosine zoo build`
+    made (lm-code, lm-docs, ...); before a build, the untrained lm-2layer stands in for them."""
+    from cosine.zoo.registry import list_models
+
+    built = [e for e in list_models() if e.kind == "lm" and e.domain != "general"]
+    lms = [DrafterSpec(e.name, "lm", e.name, e.domain) for e in built] or [DrafterSpec("lm-2layer", "lm", "lm-2layer")]
+    return [DrafterSpec("ngram", "ngram")] + lms
+
+
 @dataclass
 class ClusterSpec:
     router_port: int = 50051
     redis_url: str = ""  # empty: start a private redis-server
     target: str = ""  # model dir or zoo name; empty: the zoo's target
-    drafters: list[DrafterSpec] = field(default_factory=lambda: [DrafterSpec("ngram", "ngram"), DrafterSpec("lm-2layer", "lm", "lm-2layer")])
-    default_drafters: list[str] = field(default_factory=lambda: ["ngram"])
+    drafters: list[DrafterSpec] = field(default_factory=zoo_drafters)
+    default_drafters: list[str] | None = None  # the router's default candidates; None: every drafter of the cluster
     verifier_threads: int = 2
     drafter_threads: int = 1
     log_level: str = "INFO"
@@ -112,10 +122,11 @@ class Cluster:
                           "--threads", str(spec.drafter_threads), *model)
             endpoints.append(f"{d.name}=127.0.0.1:{port}")
         self._service("fusion", "cosine.fusion", ports["fusion"], "--drafters", ",".join(endpoints))
+        defaults = spec.default_drafters if spec.default_drafters is not None else [d.name for d in spec.drafters]
         self._service("scheduler", "cosine.scheduler", ports["scheduler"], "--verifier", f"127.0.0.1:{ports['verifier']}",
                       "--fusion", f"127.0.0.1:{ports['fusion']}", "--redis-url", redis_url)
         self._service("router", "cosine.router", spec.router_port, "--scheduler", f"127.0.0.1:{ports['scheduler']}",
-                      "--fusion", f"127.0.0.1:{ports['fusion']}", "--default-drafters", json.dumps(spec.default_drafters), *target)
+                      "--fusion", f"127.0.0.1:{ports['fusion']}", "--default-drafters", json.dumps(defaults), *target)
         self.save()
         try:
             self.wait_ready(timeout_s, progress)

@@ -6,7 +6,9 @@ the baseline runs, and the other way round):
   target-only   transformers generate(), greedy, batch 1, in this process (torch threads = --threads)
   cosine-plain  the cluster with speculation disabled (plain decoding through the verifier)
   cosine-ngram  the cluster drafting with the prompt-lookup drafter
-  cosine-lm     the cluster drafting with the small LM drafter (lm-2layer)
+  cosine-lm     the cluster drafting with the zoo's LM drafters (lm-code, lm-docs, ... from
+                `cosine zoo build`; the untrained lm-2layer before a build), routed per request
+  cosine-zoo    the cluster drafting with all of them, prompt lookup included
 
 Per system: output tokens/s (completion tokens over wall time, summed over prompts),
 time to first token (p50), mean tokens committed per round, and how many prompts'
@@ -31,11 +33,15 @@ from tqdm.auto import tqdm
 from cosine.bench.prompts import PROMPTS
 from cosine.router.v1 import router_pb2, router_pb2_grpc
 
-CLUSTER_SYSTEMS = {
-    "cosine-plain": {"disabled": True},
-    "cosine-ngram": {"drafters": ["ngram"]},
-    "cosine-lm": {"drafters": ["lm-2layer"]},
-}
+def cluster_systems(drafters: list[str]) -> dict[str, dict]:
+    """The cluster's configurations, over the drafters the cluster runs."""
+    lms = [d for d in drafters if d != "ngram"]
+    return {
+        "cosine-plain": {"disabled": True},
+        "cosine-ngram": {"drafters": ["ngram"]},
+        "cosine-lm": {"drafters": lms},
+        "cosine-zoo": {"drafters": ["ngram"] + lms},
+    }
 ROUND_METRICS = {
     "draft": "cosine_scheduler_draft_seconds",
     "draft_compute": "cosine_scheduler_draft_compute_seconds",
@@ -158,18 +164,20 @@ def main(argv: list[str] | None = None) -> int:
 
     target_dir = path_of(TARGET)
     n = len(PROMPTS)
-    bar = tqdm(total=n * (1 + len(CLUSTER_SYSTEMS)), desc="bench serving", unit="prompt", disable=None)
+    spec = ClusterSpec(router_port=free_port())
+    systems = cluster_systems([d.name for d in spec.drafters])
+    bar = tqdm(total=n * (1 + len(systems)), desc="bench serving", unit="prompt", disable=None)
     bar.set_postfix_str("target-only")
     reference = run_target_only(target_dir, args.max_new_tokens, args.threads, bar)
     rows = [summarise("target-only", reference, reference)]
     breakdowns = {}
-    cluster = Cluster(ClusterSpec(router_port=free_port()))
+    cluster = Cluster(spec)
     bar.set_postfix_str("starting the cluster")
     cluster.start()
     try:
         scheduler = next(p for p in cluster.processes if p.name == "scheduler")
         run_cluster(cluster.router_address, {"disabled": True}, 8, _Null())  # warm-up
-        for name, speculation in CLUSTER_SYSTEMS.items():
+        for name, speculation in systems.items():
             bar.set_postfix_str(name)
             before = scrape_sums(scheduler.metrics_port)
             results = run_cluster(cluster.router_address, speculation, args.max_new_tokens, bar)

@@ -205,6 +205,8 @@ def build_domain(target: Target, domain: str, cfg: BuildConfig, seconds: float, 
 def build(cfg: BuildConfig, target_dir: Path | None = None) -> list[Path]:
     """Build every missing domain drafter (all with `force`), then evaluate the zoo and fill in the cards."""
     todo = [d for d in cfg.domains if cfg.force or find(drafter_name(d)) is None]
+    if not todo:
+        return []  # everything is built: `cosine zoo eval` measures it again
     built = []
     total = cfg.minutes * 60
     t0 = time.monotonic()
@@ -281,20 +283,31 @@ def _ngram_tau(samples: list[Sample], depth: int) -> tuple[float, float]:
     return statistics.mean(taus), agreed / max(proposed, 1)
 
 
-def step_ms(model, context: int = 128, reps: int = 15, tokens: int = 1) -> float:
-    """Median ms of one forward of `tokens` new tokens (a chain) after `context` cached ones, batch 1."""
+def forward_ms(model, chains: tuple[int, ...] = (1,), context: int = 128, reps: int = 15) -> dict[int, float]:
+    """Median ms of one forward of n new tokens (a chain) after `context` cached ones, batch 1, for each n in
+    `chains`; the sizes are interleaved within each repetition so a noisy machine biases none of them."""
     from cosine.engine.llama import Seq
 
-    kv = model.new_cache(1, context + reps * tokens + 8)
+    kv = model.new_cache(1, context + max(chains) + 8)
     slot = kv.allocate()
     model.forward([Seq(slot, [1] * context, list(range(context)), logits="last")], kv)
-    times = []
-    for r in range(reps):
-        kv.truncate(slot, context)
-        t = time.perf_counter()
-        model.forward([Seq(slot, [1] * tokens, list(range(context, context + tokens)), logits="last")], kv)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1000
+    times: dict[int, list[float]] = {n: [] for n in chains}
+    for _ in range(reps):
+        for n in chains:
+            kv.truncate(slot, context)
+            t = time.perf_counter()
+            model.forward([Seq(slot, [1] * n, list(range(context, context + n)), logits="last")], kv)
+            times[n].append(time.perf_counter() - t)
+    return {n: statistics.median(ts) * 1000 for n, ts in times.items()}
+
+
+def cost_ratio(drafter, target, reps: int = 21) -> float:
+    """c: a drafter decode step over a target decode step, batch 1, measured alternately."""
+    d, t = [], []
+    for _ in range(reps):
+        d.append(forward_ms(drafter, reps=1)[1])
+        t.append(forward_ms(target, reps=1)[1])
+    return statistics.median(d) / statistics.median(t)
 
 
 def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]], cfg: BuildConfig | None = None,
@@ -303,8 +316,9 @@ def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]], cfg: BuildCo
     from cosine.engine.llama import NativeLlama
 
     entries = [e for e in (find(n) for n in names) if e] if names else [e for e in list_models() if e.kind in ("lm", "ngram")]
-    target_ms = step_ms(target.model)
-    verify = {d: step_ms(target.model, tokens=d + 1) / target_ms for d in DEPTHS}
+    steps = forward_ms(target.model, (1,) + tuple(d + 1 for d in DEPTHS))
+    target_ms = steps[1]
+    verify = {d: steps[d + 1] / target_ms for d in DEPTHS}
     scores = []
     for entry in entries:
         if progress:
@@ -320,7 +334,7 @@ def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]], cfg: BuildCo
         else:
             model = NativeLlama.from_pretrained(entry.path, dtype="float32", max_positions=1024)
             vocab = DraftVocab.load(Path(entry.path))
-            c = step_ms(model) / step_ms(target.model)
+            c = cost_ratio(model, target.model)
             score = DrafterScore(entry.name, "lm", entry.domain, round(c, 4))
             for domain, samples in evalsets.items():
                 matches = _lm_matches(model, vocab, samples)
@@ -396,6 +410,8 @@ def annotate_cards(report: dict) -> None:
             continue
         card_path = Path(entry.path) / "cosine.json"
         card = json.loads(card_path.read_text())
+        if "training" not in card:
+            continue  # not made by `cosine zoo build` (e.g. the untrained lm-2layer): its card stays as it is
         card["cost_ratio"] = s["cost_ratio"]
         card["tau_depth4_by_domain"] = {d: r["tau"][4] for d, r in s["by_domain"].items()}
         card["agreement_by_domain"] = {d: r["agreement"] for d, r in s["by_domain"].items()}
