@@ -255,8 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=600, help="deadline of the call in seconds")
     gen.set_defaults(func=_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks: engine (native vs transformers), serving (cluster vs transformers)")
-    bench.add_argument("which", choices=["engine", "serving"])
+    bench = sub.add_parser("bench", help="benchmarks: compare (CoSine against its baselines; serving is an alias), engine",
+                           description="compare (default): CoSine with each mechanism switched off in turn against transformers "
+                                       "generate(), assisted and prompt-lookup generation, side by side (table, --json, PNG plots; "
+                                       "--quick: about 5 minutes); serving: the same; engine: native engine vs transformers forwards")
+    bench.add_argument("which", nargs="?", choices=["compare", "serving", "engine"], default="compare")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (see --help)")
     bench.set_defaults(func=_bench)
 
