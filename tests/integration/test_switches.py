@@ -1,6 +1,7 @@
 """Every combination of the mechanisms' switches, through real services: greedy output never changes.
 
-Fusion (confidence / merge / single) x adaptive depth (on / off) x expertise routing (on / off),
+Fusion (confidence / merge / single) x adaptive depth (on / off) x expertise routing (on / off) x
+pipelining (drafting ahead, on / off),
 per request, on the in-process cluster of tiny random models; plus a scheduler whose switches
 come from its settings (COSINE_SCHEDULER_SWITCHES).
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import grpc
 import pytest
 
 from cosine.common.v1 import common_pb2
@@ -19,6 +21,7 @@ from cosine.fusion.__main__ import FusionSettings
 from cosine.fusion.__main__ import serve as serve_fusion
 from cosine.router.__main__ import RouterSettings
 from cosine.router.__main__ import serve as serve_router
+from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from cosine.scheduler.__main__ import SchedulerSettings
 from cosine.scheduler.__main__ import serve as serve_scheduler
 from tests.integration.test_metrics import scrape_all, value
@@ -28,7 +31,7 @@ FUSION = {"confidence": common_pb2.FUSION_MODE_CONFIDENCE, "merge": common_pb2.F
           "single": common_pb2.FUSION_MODE_SINGLE}
 PROMPTS3 = [PROMPTS[0], PROMPTS[1], PROMPTS[3], "a b c a b c a b"]
 N = 32
-COMBINATIONS = list(itertools.product(FUSION, (True, False), (True, False)))
+COMBINATIONS = list(itertools.product(FUSION, (True, False), (True, False), (True, False)))
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +45,15 @@ async def plain(services):
     return out
 
 
-@pytest.mark.parametrize("fusion,adaptive,routing", COMBINATIONS)
-async def test_greedy_output_is_the_targets_under_every_switch(services, reference, plain, fusion, adaptive, routing):  # noqa: F811
+@pytest.mark.parametrize("fusion,adaptive,routing,pipelining", COMBINATIONS)
+async def test_greedy_output_is_the_targets_under_every_switch(services, reference, plain, fusion, adaptive, routing,  # noqa: F811
+                                                               pipelining):
     before = (await scrape_all(services))["fusion"]
     drafted = 0
     for prompt in PROMPTS3:
         ids, _, final = await generate(services.router, prompt=prompt.encode(), max_new_tokens=N, speculation={
-            "fusion": FUSION[fusion], "adaptive_depth": adaptive, "routing": routing})
-        assert ids == plain[prompt] == no_eos(reference(prompt, N)), (prompt, fusion, adaptive, routing)
+            "fusion": FUSION[fusion], "adaptive_depth": adaptive, "routing": routing, "pipelining": pipelining})
+        assert ids == plain[prompt] == no_eos(reference(prompt, N)), (prompt, fusion, adaptive, routing, pipelining)
         drafted += final.stats.drafted_tokens
         used = list(final.stats.drafters)
         if not routing:
@@ -65,12 +69,12 @@ async def test_greedy_output_is_the_targets_under_every_switch(services, referen
 
 async def test_every_combination_at_once(services, plain):
     """Requests with different switches in flight together: the verifier batches their different trees."""
-    # one request per combination: 12 in flight, within the verifier's and the drafters' 16 KV slots
-    jobs = [(PROMPTS3[i % len(PROMPTS3)], combo) for i, combo in enumerate(COMBINATIONS)]
+    # 12 in flight, within the verifier's and the drafters' 16 KV slots
+    jobs = [(PROMPTS3[i % len(PROMPTS3)], combo) for i, combo in enumerate(COMBINATIONS[::2])]
     results = await asyncio.gather(*(
         generate(services.router, prompt=prompt.encode(), max_new_tokens=N, speculation={
-            "fusion": FUSION[fusion], "adaptive_depth": adaptive, "routing": routing})
-        for prompt, (fusion, adaptive, routing) in jobs))
+            "fusion": FUSION[fusion], "adaptive_depth": adaptive, "routing": routing, "pipelining": pipelining})
+        for prompt, (fusion, adaptive, routing, pipelining) in jobs))
     for (prompt, combo), (ids, _, _) in zip(jobs, results):
         assert ids == plain[prompt], (prompt, combo)
 
@@ -163,3 +167,37 @@ async def test_routing_moves_to_the_drafter_the_target_agrees_with(services, ref
     finally:
         for service in reversed(started):
             await service.stop()
+
+
+@pytest.mark.parametrize("fusion,drafters", [("single", ["tiny"]), ("confidence", ["tiny", "ngram"]), ("merge", ["tiny", "ngram"])])
+async def test_drafting_ahead_is_used_when_the_round_goes_as_assumed(services, reference, redis_server, fusion,  # noqa: F811
+                                                                      drafters):
+    """One request in flight, a drafter the looping target agrees with (the tiny tied random LM repeats its
+    input token, as the target does): the next round is drafted while the verifier works, and used when the
+    verifier accepts the whole chain and the guessed bonus token."""
+    common = {"port": 0, "drain_timeout_s": 1.0, "metrics_port": 0}
+    scheduler = await serve_scheduler(SchedulerSettings(  # a fresh cost model: nothing says drafting would not hide
+        verifier=f"127.0.0.1:{services['verifier'].port}", fusion=f"127.0.0.1:{services['fusion'].port}",
+        redis_url=redis_server, startup_timeout_s=30, switches=f"adaptive_depth=off,fusion={fusion}", **common))
+    try:
+        ahead = scheduler.servicer.metrics.ahead
+        tokenizer = services["router"].servicer.tokenizer
+        for pipelining in (True, False):
+            before = {o: ahead.labels(o)._value.get() for o in ("used", "discarded")}
+            prompt = "a b c a b c a b"
+            ids = tokenizer(prompt)["input_ids"]
+            got = []
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
+                async for reply in scheduler_pb2_grpc.SchedulerStub(channel).Submit(scheduler_pb2.SubmitRequest(
+                        request_id=f"ahead-{fusion}-{pipelining}", prompt_token_ids=ids, max_new_tokens=48,
+                        speculation=common_pb2.SpeculationParams(drafters=drafters, pipelining=pipelining)), timeout=60):
+                    if reply.WhichOneof("kind") == "tokens":
+                        got += reply.tokens.token_ids
+            assert got == reference(prompt, 48)
+            moved = {o: ahead.labels(o)._value.get() - before[o] for o in ("used", "discarded")}
+            if pipelining:
+                assert moved["used"] >= 1, moved
+            else:
+                assert moved == {"used": 0, "discarded": 0}
+    finally:
+        await scheduler.stop()

@@ -96,9 +96,9 @@ def test_admission_hands_routing_its_candidates_and_passes_switches_on():
     assert a.drafters == ["ngram"] and a.candidates == ["ngram", "lm"]  # the default first, then the rest
     assert (a.fusion, a.routing, a.adaptive_depth) == (common_pb2.FUSION_MODE_UNSPECIFIED, None, None)
     named = admit(prompt=b"hello", speculation={"drafters": ["lm"], "fusion": common_pb2.FUSION_MODE_MERGE,
-                                                 "routing": False, "adaptive_depth": True})
+                                                 "routing": False, "adaptive_depth": True, "pipelining": False})
     assert named.drafters == ["lm"] and named.candidates == []  # named drafters are used as they are
-    assert (named.fusion, named.routing, named.adaptive_depth) == (common_pb2.FUSION_MODE_MERGE, False, True)
+    assert (named.fusion, named.routing, named.adaptive_depth, named.pipelining) == (common_pb2.FUSION_MODE_MERGE, False, True, False)
     assert admit(prompt=b"hello", speculation={"disabled": True}).candidates == []
 
 

@@ -24,12 +24,13 @@ def test_public_contract():
     sampling = router_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["sampling"].message_type
     assert {f.name for f in sampling.fields} == {"temperature", "top_p", "top_k", "seed"}
     spec = router_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["speculation"].message_type
-    assert {f.name for f in spec.fields} == {"disabled", "drafters", "max_depth", "fusion", "routing", "adaptive_depth"}
+    assert {f.name for f in spec.fields} == {"disabled", "drafters", "max_depth", "fusion", "routing", "adaptive_depth",
+                                               "pipelining"}
     numbers = {f.name: f.number for f in spec.fields}
-    assert numbers == {"disabled": 1, "drafters": 2, "max_depth": 3, "fusion": 4, "routing": 5, "adaptive_depth": 6}
+    assert numbers == {"disabled": 1, "drafters": 2, "max_depth": 3, "fusion": 4, "routing": 5, "adaptive_depth": 6, "pipelining": 7}
     assert [v.name for v in spec.fields_by_name["fusion"].enum_type.values] == [
         "FUSION_MODE_UNSPECIFIED", "FUSION_MODE_CONFIDENCE", "FUSION_MODE_MERGE", "FUSION_MODE_SINGLE"]
-    assert spec.fields_by_name["routing"].has_presence and spec.fields_by_name["adaptive_depth"].has_presence
+    assert all(spec.fields_by_name[n].has_presence for n in ("routing", "adaptive_depth", "pipelining"))
     resp = router_pb2.GenerateResponse.DESCRIPTOR
     assert [o.name for o in resp.oneofs] == ["kind"]
     assert {f.name for f in resp.oneofs[0].fields} == {"chunk", "final"}
@@ -58,7 +59,8 @@ def test_internal_messages_keep_their_field_numbers():
     assert numbers(drafter_pb2.DraftResponse) == {"token_ids": 1, "probs": 2, "candidates": 3}
     assert numbers(drafter_pb2.Candidates) == {"token_ids": 1, "probs": 2}
     assert numbers(fusion_pb2.SpeculateOpen) == {"request_id": 1, "prompt_token_ids": 2, "drafters": 3, "fusion": 4}
-    assert numbers(fusion_pb2.SpeculateRound) == {"committed_token_ids": 1, "depth": 2, "trace_context": 3, "drafters": 4, "budget": 5}
+    assert numbers(fusion_pb2.SpeculateRound) == {"committed_token_ids": 1, "depth": 2, "trace_context": 3, "drafters": 4, "budget": 5,
+                                                     "context_token_ids": 6}
     assert numbers(fusion_pb2.SpeculateResponse) == {"tree": 1, "draft_ms": 2, "proposals": 3, "fused_token_ids": 4}
     assert numbers(fusion_pb2.DrafterProposal) == {"drafter": 1, "token_ids": 2, "probs": 3}
     assert numbers(scheduler_pb2.SubmitRequest) == {

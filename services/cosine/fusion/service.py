@@ -156,15 +156,17 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             names = names[:1]
         depth = round_msg.depth
         budget = round_msg.budget or max(depth, 1) * len(names)
+        ahead = list(round_msg.context_token_ids)  # drafting ahead: continue from these uncommitted tokens
         with self.tracing.span("fusion.round", {"cosine.depth": depth, "cosine.drafters": len(names), "cosine.fusion": req.mode},
                                parent=round_msg.trace_context) as span:
             trace: dict[str, str] = {}
             self.tracing.inject(trace)
             if req.mode == "confidence":
-                tree, chains, fused, steps = await self._confidence(req, names, depth, budget, trace, context)
+                tree, chains, fused, steps = await self._confidence(req, names, depth, budget, trace, context, ahead)
                 span.set_attribute("cosine.steps", steps)
             else:
-                steps = {n: drafter_pb2.DraftStep(committed_token_ids=req.take(n), depth=depth, trace_context=trace) for n in names}
+                steps = {n: drafter_pb2.DraftStep(committed_token_ids=req.take(n), depth=depth, context_token_ids=ahead,
+                                                  trace_context=trace) for n in names}
                 replies = await self._exchange(req, names, steps, context)
                 chains = {n: (list(r.token_ids), list(r.probs)) for n, r in zip(names, replies)}
                 fused = None
@@ -174,7 +176,8 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
                     tree = merge_only(chains, budget)
             span.set_attribute("cosine.tree_size", len(tree.tokens))
         self.metrics.rounds.labels(req.mode).inc()
-        req.chains = {n: tokens for n, (tokens, _) in chains.items()}
+        # judged when the next round's committed tokens arrive; a round drafted ahead is judged by the scheduler
+        req.chains = {} if ahead else {n: tokens for n, (tokens, _) in chains.items()}
         req.context = fused
         return fusion_pb2.SpeculateResponse(
             tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
@@ -183,7 +186,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             fused_token_ids=fused or [],
         )
 
-    async def _confidence(self, req: _Request, names: list[str], depth: int, budget: int, trace, context):
+    async def _confidence(self, req: _Request, names: list[str], depth: int, budget: int, trace, context, ahead=()):
         """Step-wise fusion: each step every drafter proposes top-k candidates after the fused chain;
         the most confident wins and becomes the context of the next step."""
         fusion = ConfidenceFusion(depth, budget, order=names)
@@ -194,7 +197,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         while not fusion.done:
             asked += 1
             steps = {n: drafter_pb2.DraftStep(committed_token_ids=req.take(n) if first else [], depth=1, top_k=self.top_k,
-                                              context_token_ids=fusion.chain, trace_context=trace) for n in names}
+                                              context_token_ids=list(ahead) + fusion.chain, trace_context=trace) for n in names}
             first = False
             replies = await self._exchange(req, names, steps, context)
             candidates = {}

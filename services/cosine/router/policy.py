@@ -41,6 +41,7 @@ class Admission:
     fusion: int = 0
     routing: bool | None = None
     adaptive_depth: bool | None = None
+    pipelining: bool | None = None
 
 
 def admit(request, limits: Limits, known_drafters: set[str], default_drafters: list[str], random_seed: int) -> Admission:
@@ -110,7 +111,8 @@ def admit(request, limits: Limits, known_drafters: set[str], default_drafters: l
     return Admission(text, messages, max_new, sampling, stop, drafters, not spec.disabled and bool(drafters), max_depth,
                      candidates if not spec.disabled else [], spec.fusion,
                      spec.routing if spec.HasField("routing") else None,
-                     spec.adaptive_depth if spec.HasField("adaptive_depth") else None)
+                     spec.adaptive_depth if spec.HasField("adaptive_depth") else None,
+                     spec.pipelining if spec.HasField("pipelining") else None)
 
 
 def check_lengths(prompt_tokens: int, max_new_tokens: int, limits: Limits) -> None:

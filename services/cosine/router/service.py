@@ -131,6 +131,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 speculation.routing = admission.routing
             if admission.adaptive_depth is not None:
                 speculation.adaptive_depth = admission.adaptive_depth
+            if admission.pipelining is not None:
+                speculation.pipelining = admission.pipelining
         submit = scheduler_pb2.SubmitRequest(
             request_id=rid, prompt_token_ids=prompt_ids, max_new_tokens=admission.max_new_tokens, sampling=sampling,
             speculation=speculation, stop_token_ids=self.stop_token_ids,

@@ -37,7 +37,7 @@ class SchedulerSettings(ServiceSettings):
     switches: str = Field("", description=(
         "mechanisms on/off, e.g. 'routing=off,fusion=merge,adaptive_depth=off,fixed_depth=3' "
         "(routing on|off, fusion confidence|merge|single, adaptive_depth on|off, fixed_depth N, fixed_drafter NAME, "
-        "pipelining on|off: not built yet, rounds are synchronous); empty: the full system. "
+        "pipelining on|off: draft the next round ahead while one request's round is verified); empty: the full system. "
         "fixed_depth defaults to default_depth"))
     routing_k: int = Field(2, ge=1, description="drafters per request expertise routing starts with")
     routing_max_k: int = Field(3, ge=1, description="most drafters per request when the verifier idles")

@@ -19,7 +19,9 @@ from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 from cosine.router.routing import ExpertiseRouter
 from cosine.scheduler import policy
+from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter
+from cosine.scheduler.ahead import main_chain_tokens, subtree_after
 from cosine.scheduler.speculation import RequestSpeculation, SpeculationController
 from cosine.scheduler.switches import Switches
 from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -48,6 +50,8 @@ class SchedulerMetrics:
                                buckets=(0, 1, 2, 3, 4, 5, 6, 8, 12, 16), registry=registry)
         self.depth_cap = Gauge("cosine_scheduler_depth_cap", "global depth cap of adaptive speculation control", registry=registry)
         self.drafters_cap = Gauge("cosine_scheduler_drafters_cap", "drafters per request expertise routing exploits", registry=registry)
+        self.ahead = Counter("cosine_scheduler_draft_ahead_total", "rounds drafted ahead of a verification, by outcome",
+                             ["outcome"], registry=registry)
         self.routed = Counter("cosine_scheduler_drafter_selected_total", "rounds each drafter was selected for", ["drafter"], registry=registry)
         # acceptance by position: position p of the drafted chain (0 = the first draft token) was drafted / accepted
         self.position_drafted = Counter("cosine_scheduler_position_drafted_total", "rounds whose tree reached draft position p",
@@ -85,6 +89,8 @@ def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Sw
         changes["routing"] = spec.routing
     if spec.HasField("adaptive_depth"):
         changes["adaptive_depth"] = spec.adaptive_depth
+    if spec.HasField("pipelining"):
+        changes["pipelining"] = spec.pipelining
     return server.replace(**changes) if changes else server
 
 
@@ -257,16 +263,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         new: list[int] = []
         stats = common_pb2.Stats()
         step = 0
+        ready: DraftTree | None = None  # a tree drafted ahead for the next round
+        ready_drafters: list[str] = []
         while True:
             context_used = len(prompt) + len(generated)
             room = policy.round_depth(self.config.max_depth, len(generated), max_new, context_used, self.config.max_context)
             d, drafters, budget = self._round_plan(plan, room) if spec_call is not None else (0, [], 0)
+            tree = common_pb2.DraftTree()
+            if ready is not None:  # drafted ahead during the previous verification, which went as assumed
+                cut_tree = subtree_after(ready, [], room) if room > 0 else None
+                if cut_tree is not None and len(cut_tree):
+                    tree = common_pb2.DraftTree(token_ids=cut_tree.tokens, parents=cut_tree.parents, probs=cut_tree.probs)
+                    d, drafters = tree_depth(cut_tree.parents), ready_drafters
+                ready = None
             with self.tracing.span("scheduler.round", {"cosine.round": step, "cosine.depth": d}) as round_span:
-                tree = common_pb2.DraftTree()
                 reply = None
                 draft_ms = 0.0
                 t0 = time.perf_counter()
-                if spec_call is not None and d > 0:
+                if spec_call is not None and d > 0 and not tree.token_ids:
                     with self.tracing.span("scheduler.draft", {"cosine.depth": d, "cosine.drafters": drafters}):
                         message = fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(
                             committed_token_ids=new, depth=d, drafters=drafters, budget=budget))
@@ -278,15 +292,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         if name not in stats.drafters:
                             stats.drafters.append(name)
                 t1 = time.perf_counter()
+                ahead = self._draft_ahead(plan, spec_call, tree, d, drafters, new, len(generated), max_new, context_used)
+                if ahead is not None:
+                    new = []
                 with self.tracing.span("scheduler.verify", {"cosine.tree_size": len(tree.token_ids)}):
                     message = verifier_pb2.VerifyRequest(round=verifier_pb2.VerifyRound(tree=tree))
                     self.tracing.inject(message.round.trace_context)
                     self.load.enter(time.monotonic())
                     try:
                         verdict = await exchange(verify_call, message, "verifier")
+                    except BaseException:
+                        if ahead is not None:
+                            ahead[0].cancel()
+                        raise
                     finally:
                         self.load.leave(time.monotonic())
                 t2 = time.perf_counter()
+                if ahead is not None:
+                    ready = await self._ahead_outcome(plan, ahead, verdict)
+                    ready_drafters = drafters
                 cut = policy.cut_round(list(verdict.token_ids), len(generated), max_new, stop_ids, context_used, self.config.max_context)
                 accepted = min(verdict.accepted_draft, len(cut.token_ids))
                 drafted = len(tree.token_ids)
@@ -313,6 +337,40 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
                     finish_reason=cut.finish_reason, stats=stats))
                 return
+
+    def _draft_ahead(self, plan: RequestPlan, spec_call, tree, depth, drafters, new, generated, max_new, context_used):
+        """Start drafting the next round while this one is verified (pipelining with one request in flight),
+        assuming this round's main chain is accepted whole; returns (task, main chain, depth) or None."""
+        if spec_call is None or not tree.token_ids or not plan.switches.pipelining or len(self.live) != 1:
+            return None
+        main = main_chain_tokens(tree.token_ids, tree.parents)
+        after = len(main) + 1  # the chain and the bonus token
+        room = policy.round_depth(self.config.max_depth, generated + after, max_new, context_used + after, self.config.max_context)
+        if room <= 0:
+            return None
+        ahead_depth = min(max(depth, 1), room) + 1  # the first level guesses the bonus token
+        costs = self.costs.costs((plan.switches.fusion, len(drafters)))
+        if costs is not None and costs.draft_overhead_s + costs.draft_step_s * ahead_depth > \
+                costs.verify_s + costs.verify_per_token_s * len(tree.token_ids):
+            return None  # it would not hide behind the verification: the request would wait for it
+        message = fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(
+            committed_token_ids=new, depth=ahead_depth, drafters=drafters, context_token_ids=main))
+        self.tracing.inject(message.round.trace_context)
+        return asyncio.create_task(exchange(spec_call, message, "fusion")), main, ahead_depth
+
+    async def _ahead_outcome(self, plan: RequestPlan, ahead, verdict) -> DraftTree | None:
+        """The part of the tree drafted ahead that fits what the verifier accepted, or None."""
+        task, main, ahead_depth = ahead
+        reply = await task  # the stream to fusion is in order: the next round waits for this reply anyway
+        self.costs.observe_draft(ahead_depth, reply.draft_ms / 1000, (plan.switches.fusion, len(reply.proposals) or 1))
+        tokens = list(verdict.token_ids)
+        sub = None
+        if verdict.accepted_draft == len(main) and len(tokens) == len(main) + 1 and tokens[:-1] == main:
+            drafted = DraftTree(list(reply.tree.token_ids), list(reply.tree.parents), list(reply.tree.probs))
+            sub = subtree_after(drafted, tokens[-1:])
+        used = sub is not None and len(sub) > 0
+        self.metrics.ahead.labels("used" if used else "discarded").inc()
+        return sub if used else None
 
     def _learn(self, plan: RequestPlan, reply, depth, n_drafters, chain, accepted, target_tokens, draft_s, verify_s, nodes,
                round_s) -> None:

@@ -44,20 +44,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class SpeculationParams(_message.Message):
-    __slots__ = ("disabled", "drafters", "max_depth", "fusion", "routing", "adaptive_depth")
+    __slots__ = ("disabled", "drafters", "max_depth", "fusion", "routing", "adaptive_depth", "pipelining")
     DISABLED_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     FUSION_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
     ADAPTIVE_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    PIPELINING_FIELD_NUMBER: _ClassVar[int]
     disabled: bool
     drafters: _containers.RepeatedScalarFieldContainer[str]
     max_depth: int
     fusion: FusionMode
     routing: bool
     adaptive_depth: bool
-    def __init__(self, disabled: _Optional[bool] = ..., drafters: _Optional[_Iterable[str]] = ..., max_depth: _Optional[int] = ..., fusion: _Optional[_Union[FusionMode, str]] = ..., routing: _Optional[bool] = ..., adaptive_depth: _Optional[bool] = ...) -> None: ...
+    pipelining: bool
+    def __init__(self, disabled: _Optional[bool] = ..., drafters: _Optional[_Iterable[str]] = ..., max_depth: _Optional[int] = ..., fusion: _Optional[_Union[FusionMode, str]] = ..., routing: _Optional[bool] = ..., adaptive_depth: _Optional[bool] = ..., pipelining: _Optional[bool] = ...) -> None: ...
 
 class Stats(_message.Message):
     __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "drafters")

@@ -20,7 +20,7 @@ class SpeculateOpen(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., drafters: _Optional[_Iterable[str]] = ..., fusion: _Optional[_Union[_common_pb2.FusionMode, str]] = ...) -> None: ...
 
 class SpeculateRound(_message.Message):
-    __slots__ = ("committed_token_ids", "depth", "trace_context", "drafters", "budget")
+    __slots__ = ("committed_token_ids", "depth", "trace_context", "drafters", "budget", "context_token_ids")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,12 +33,14 @@ class SpeculateRound(_message.Message):
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     BUDGET_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     committed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     depth: int
     trace_context: _containers.ScalarMap[str, str]
     drafters: _containers.RepeatedScalarFieldContainer[str]
     budget: int
-    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., drafters: _Optional[_Iterable[str]] = ..., budget: _Optional[int] = ...) -> None: ...
+    context_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, committed_token_ids: _Optional[_Iterable[int]] = ..., depth: _Optional[int] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., drafters: _Optional[_Iterable[str]] = ..., budget: _Optional[int] = ..., context_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SpeculateRequest(_message.Message):
     __slots__ = ("open", "round")
