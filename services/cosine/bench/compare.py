@@ -40,8 +40,10 @@ Output: a table on the terminal (progress bar while it runs); --json PATH writes
 (a top-level `systems` list) and, next to it, PATH-stem_load.png (throughput and latency
 against concurrency) and PATH-stem_accepted.png (accepted length per domain per drafter).
 
+Default (the full run): 2 prompts per domain, 64 new tokens, concurrency 1, 4, 8, 16 and
+Poisson 0.5 requests/s for every system, a 48-token sweep: about 30 minutes on 2 cores.
 --quick: 1 prompt per domain, 48 new tokens, concurrency 1 for every system and 4 for
-target-only / vanilla-sd / cosine-full, a 24-token sweep: about 5 minutes on 2 cores.
+target-only / cosine-plain / vanilla-sd / cosine-full, a 16-token sweep: about 5 minutes.
 """
 
 from __future__ import annotations
@@ -120,36 +122,36 @@ def build_args(argv):
     p = argparse.ArgumentParser(prog="cosine bench compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run, about 5 minutes (see above)")
-    p.add_argument("--per-domain", type=int, default=None, help="prompts per domain (default 4; quick 1)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 128; quick 48)")
+    p.add_argument("--per-domain", type=int, default=None, help="prompts per domain (default 2; quick 1)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 64; quick 48)")
     p.add_argument("--concurrency", default=None, help="closed-loop concurrencies, comma-separated (default 1,4,8,16; quick 1,4)")
-    p.add_argument("--rate", default=None, help="Poisson arrival rates in requests/s, comma-separated (default none)")
+    p.add_argument("--rate", default=None, help="Poisson arrival rates in requests/s, comma-separated (default 0.5; quick none; '': none)")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per load point (default: the workload, at least 2 per client; Poisson: the workload)")
     p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="systems to run (target-only always runs: it is the reference)")
     p.add_argument("--load-systems", default=None,
-                   help="systems run at concurrency > 1 and Poisson rates (default: all; quick: target-only,vanilla-sd,cosine-full)")
+                   help="systems run at concurrency > 1 and Poisson rates (default: all; quick: target-only,cosine-plain,vanilla-sd,cosine-full)")
     p.add_argument("--drafter", default=None, help="the single LM drafter of hf-assisted and vanilla-sd (default: the best by tau)")
     p.add_argument("--depth", type=int, default=4, help="draft depth of vanilla-sd, fixed-depth and the sweep")
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-prompt-lookup")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the transformers baselines")
-    p.add_argument("--sweep-tokens", type=int, default=None, help="new tokens per prompt of the per-drafter sweep (default 64; quick 24; 0: no sweep)")
+    p.add_argument("--sweep-tokens", type=int, default=None, help="new tokens per prompt of the per-drafter sweep (default 48; quick 16; 0: no sweep)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (use the zoo build's seed) and of the arrivals")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here, and the PNG plots next to it")
     args = p.parse_args(argv)
     q = args.quick
-    args.per_domain = args.per_domain or (1 if q else 4)
-    args.max_new_tokens = args.max_new_tokens or (48 if q else 128)
+    args.per_domain = args.per_domain or (1 if q else 2)
+    args.max_new_tokens = args.max_new_tokens or (48 if q else 64)
     args.concurrency = parse_list(args.concurrency if args.concurrency is not None else ("1,4" if q else "1,4,8,16"))
-    args.rate = parse_list(args.rate or "", float)
-    args.sweep_tokens = args.sweep_tokens if args.sweep_tokens is not None else (24 if q else 64)
+    args.rate = parse_list(args.rate if args.rate is not None else ("" if q else "0.5"), float)
+    args.sweep_tokens = args.sweep_tokens if args.sweep_tokens is not None else (16 if q else 48)
     args.systems = [s for s in parse_list(args.systems, str) if s]
     unknown = sorted(set(args.systems) - set(ALL_SYSTEMS))
     if unknown:
         p.error(f"unknown system(s) {unknown}; known: {', '.join(ALL_SYSTEMS)}")
     if "target-only" not in args.systems:
         args.systems.insert(0, "target-only")
-    load = args.load_systems if args.load_systems is not None else ("target-only,vanilla-sd,cosine-full" if q else ",".join(ALL_SYSTEMS))
+    load = args.load_systems if args.load_systems is not None else ("target-only,cosine-plain,vanilla-sd,cosine-full" if q else ",".join(ALL_SYSTEMS))
     args.load_systems = parse_list(load, str)
     if not args.concurrency and not args.rate:
         p.error("give at least one --concurrency or --rate")
@@ -201,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(s, pt) for pt in points for s in ALL_SYSTEMS if runs_at(s, pt, args)]
     sweep = [d.name for d in drafter_specs] if args.sweep_tokens > 0 else []
     total = sum(n_requests(pt, len(workload), args) for _, pt in plan) + len(sweep) * len(workload)
-    bar = tqdm(total=total, desc="cosine bench", unit="req", disable=None)
+    bar = tqdm(total=total, desc="cosine bench", unit="req", mininterval=2.0)
     rows: list[dict] = []
     notes: list[str] = []
     references: dict[int, list[int]] = {}

@@ -33,9 +33,11 @@ def plot_load(systems: list[dict], path: Path) -> Path | None:
     if plt is None or not curves:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    for name, rows in curves.items():
+    colors = plt.get_cmap("tab20").colors
+    for i, (name, rows) in enumerate(curves.items()):
         xs = [r["concurrency"] for r in rows]
-        style = {"marker": "o", "linestyle": "--" if name.startswith(("target", "hf-")) else "-"}
+        style = {"marker": "o", "color": colors[(2 * i) % 20 if i < 10 else (2 * i + 1) % 20],
+                 "linestyle": "--" if name.startswith(("target", "hf-")) else "-"}
         axes[0].plot(xs, [r["tokens_per_s"] for r in rows], label=name, **style)
         axes[1].plot(xs, [r["tpot_ms_mean"] for r in rows], label=name, **style)
         axes[2].plot(xs, [(r["e2e_ms_p50"] or 0) / 1000 for r in rows], label=name, **style)

@@ -25,6 +25,9 @@ def test_quick_defaults_and_load_points():
     assert points == [("closed", 1, None), ("closed", 4, None)]
     assert compare.runs_at("hf-assisted", points[0], args) and not compare.runs_at("hf-assisted", points[1], args)
     assert compare.runs_at("cosine-full", points[1], args) and not compare.runs_at("no-fusion", points[1], args)
+    assert compare.runs_at("cosine-plain", points[1], args) and args.rate == []
+    full = compare.build_args([])
+    assert full.concurrency == [1, 4, 8, 16] and full.rate == [0.5] and compare.build_args(["--rate", ""]).rate == []
     assert compare.n_requests(points[1], 4, args) == 8
 
 
