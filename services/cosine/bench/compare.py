@@ -67,6 +67,30 @@ ALL_SYSTEMS = HF_SYSTEMS + CLUSTER_SYSTEMS
 BATCH1 = ("hf-assisted", "hf-prompt-lookup")
 
 
+# the scheduler's per-round histograms (sums and counts), for where a round's time goes
+ROUND_METRICS = {
+    "rounds": "cosine_scheduler_rounds_total",
+    "draft_sum": "cosine_scheduler_draft_seconds_sum", "draft_count": "cosine_scheduler_draft_seconds_count",
+    "draft_compute_sum": "cosine_scheduler_draft_compute_seconds_sum",
+    "verify_sum": "cosine_scheduler_verify_seconds_sum", "verify_compute_sum": "cosine_scheduler_verify_compute_seconds_sum",
+    "commit_sum": "cosine_scheduler_commit_seconds_sum",
+}
+
+
+def round_breakdown(before: dict, after: dict) -> dict | None:
+    """Mean ms per round between two scrapes: drafting (rounds that drafted, as fusion measured it), verification
+    (as the verifier measured it), the Redis commit, and the gRPC/queueing time around both calls."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ROUND_METRICS}
+    rounds = d["rounds"]
+    if rounds <= 0:
+        return None
+    return {"rounds": int(rounds), "drafting_rounds": int(d["draft_count"]),
+            "draft_ms": d["draft_compute_sum"] / d["draft_count"] * 1000 if d["draft_count"] else 0.0,
+            "verify_ms": d["verify_compute_sum"] / rounds * 1000,
+            "commit_ms": d["commit_sum"] / rounds * 1000,
+            "overhead_ms": ((d["draft_sum"] - d["draft_compute_sum"]) + (d["verify_sum"] - d["verify_compute_sum"])) / rounds * 1000}
+
+
 def cluster_speculation(best_lm: str, depth: int) -> dict[str, dict]:
     """SpeculationParams (as dicts for the GenerateRequest) of each cluster system."""
     from cosine.common.v1 import common_pb2 as c
@@ -281,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
             s = client.scrape(scheduler_port)
             return {"verifier": v, "drafters": d,
                     "ahead_used": s.get('cosine_scheduler_draft_ahead_total{outcome="used"}', 0.0),
-                    "ahead_discarded": s.get('cosine_scheduler_draft_ahead_total{outcome="discarded"}', 0.0)}
+                    "ahead_discarded": s.get('cosine_scheduler_draft_ahead_total{outcome="discarded"}', 0.0),
+                    **{k: s.get(m, 0.0) for k, m in ROUND_METRICS.items()}}
 
         # warm-up: every drafter drafts once, plain decoding once
         from cosine.common.v1 import common_pb2 as c
@@ -309,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                                   drafter_busy_s=after["drafters"] - before["drafters"])
                 row["draft_ahead_used"] = int(after["ahead_used"] - before["ahead_used"])
                 row["draft_ahead_discarded"] = int(after["ahead_discarded"] - before["ahead_discarded"])
+                row["round_ms"] = round_breakdown(before, after)
                 row["speculation"] = {k: v for k, v in speculation[name].items()}
                 row["per_request"] = _per_request(records)
                 errors = [r.error for r in records if r.error]
@@ -437,6 +463,14 @@ def format_table(doc: dict) -> str:
             f"{_f(row['tpot_ms_p99'], '.1f', 7)} {_f(row['e2e_ms_p50'], '.0f', 7)} {_f(row['mean_accepted_len'], '.2f', 7)} "
             f"{_f(row['acceptance_rate'], '.2f', 6)} {_f(row['verifier_busy'], '.2f', 5)} {_f(row['drafter_busy'], '.2f', 5)} "
             f"{ident:>6}")
+    parts = [r for r in doc["systems"] if r.get("round_ms") and r["mode"] == "closed" and r["concurrency"] == 1]
+    if parts:
+        lines += ["", "where a round's time goes at c=1 (ms per round; draft: per drafting round, as fusion measured it):",
+                  f"{'system':17} {'rounds':>6} {'draft':>7} {'verify':>7} {'commit':>7} {'gRPC+queue':>10}"]
+        for r in parts:
+            b = r["round_ms"]
+            lines.append(f"{r['name']:17} {b['rounds']:6d} {b['draft_ms']:7.1f} {b['verify_ms']:7.1f} {b['commit_ms']:7.1f} "
+                         f"{b['overhead_ms']:10.1f}")
     if doc.get("accepted_len_by_drafter"):
         lines += ["", "accepted length (tokens per round) per domain, each drafter alone at fixed depth:"]
         ds = sorted({d for per in doc["accepted_len_by_drafter"].values() for d in per})

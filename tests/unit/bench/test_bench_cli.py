@@ -62,12 +62,14 @@ def test_table_and_plots(tmp_path):
     rows = []
     for c in (1, 4):
         rows.append(S.summarise("target-only", recs, {0: [1, 2, 3]}, concurrency=c, wall_s=1.0))
-        rows.append(S.summarise("cosine-full", recs, {0: [1, 2, 3]}, concurrency=c, wall_s=0.5, verifier_busy_s=0.4))
+        rows.append(S.summarise("cosine-full", recs, {0: [1, 2, 3]}, concurrency=c, wall_s=0.5, verifier_busy_s=0.4)
+                    | {"round_ms": {"rounds": 2, "draft_ms": 1.0, "verify_ms": 2.0, "commit_ms": 0.5, "overhead_ms": 3.0}})
     S.add_ratios(rows)
     doc = S.report(rows, {"workload": [{"domain": "code"}], "max_new_tokens": 3, "duration_s": 1.0, "machine": "m",
                           "accepted_len_by_drafter": {"ngram": {"code": 1.5, "chat": 1.1}}, "notes": ["n"]})
     text = compare.format_table(doc)
     assert "cosine-full" in text and "2.00x" in text and "3/1" not in text and "1/1" in text
+    assert "where a round's time goes" in text
     load = plots.plot_load(doc["systems"], tmp_path / "b_load.png")
     acc = plots.plot_accepted(doc["accepted_len_by_drafter"], tmp_path / "b_accepted.png")
     for p in (load, acc):
@@ -90,3 +92,14 @@ def test_workload_interleaves_domains():
     out = interleave(by, 2)
     assert [p.domain for p in out] == ["code", "docs", "literary", "chat", "code", "docs", "literary"]
     assert BenchPrompt("chat", "hi", True, "s").request_fields(5)["messages"][0]["content"] == "hi"
+
+
+def test_round_breakdown_between_scrapes():
+    before = {k: 0.0 for k in compare.ROUND_METRICS}
+    after = dict(before, rounds=10, draft_count=5, draft_sum=0.6, draft_compute_sum=0.5, verify_sum=1.2, verify_compute_sum=1.0,
+                 commit_sum=0.01)
+    b = compare.round_breakdown(before, after)
+    assert b["rounds"] == 10 and b["drafting_rounds"] == 5
+    assert b["draft_ms"] == pytest.approx(100.0) and b["verify_ms"] == pytest.approx(100.0)
+    assert b["commit_ms"] == pytest.approx(1.0) and b["overhead_ms"] == pytest.approx(30.0)
+    assert compare.round_breakdown(before, before) is None
