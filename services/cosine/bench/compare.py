@@ -184,7 +184,7 @@ def build_args(argv):
 
 def load_points(args) -> list[tuple[str, int | None, float | None]]:
     """(mode, concurrency, rate) of every load point, concurrency 1 first."""
-    pts = [("closed", c, None) for c in sorted(set(args.concurrency))]
+    pts = [("closed", c, None) for c in sorted(set(args.concurrency) | {1})]  # target-only at c=1 is the reference
     pts += [("poisson", None, r) for r in args.rate]
     return pts
 
@@ -193,6 +193,8 @@ def runs_at(system: str, point, args) -> bool:
     mode, conc, _ = point
     if system not in args.systems:
         return False
+    if mode == "closed" and conc == 1 and 1 not in args.concurrency:
+        return system == "target-only"  # only the reference outputs
     if system in BATCH1 and mode == "closed" and conc != 1:
         return False
     if mode == "closed" and conc == 1:
@@ -282,11 +284,18 @@ def main(argv: list[str] | None = None) -> int:
     from cosine.cluster import Cluster, ClusterSpec, free_port
 
     os.environ["COSINE_RUN_DIR"] = tempfile.mkdtemp(prefix="cosine-bench-run-")  # logs; leaves a `cosine up` state alone
+    # KV slots for every client plus the ones still being freed when a closed-loop client sends its next request
+    # (at exactly 16 clients and the default 16 slots, the verifier refuses some requests: RESOURCE_EXHAUSTED)
+    slots = str(max(16, max(args.concurrency or [1]) + 8, len(workload) + 8 if args.rate else 0))
+    os.environ["COSINE_VERIFIER_MAX_SLOTS"] = os.environ["COSINE_DRAFTER_MAX_REQUESTS"] = slots
+    os.environ.setdefault("COSINE_VERIFIER_MAX_CONTEXT", "2048")  # bounds the preallocated KV memory of those slots
     spec = ClusterSpec(router_port=free_port(), drafters=drafter_specs)
     notes.append(f"cores: systems ran one after another on {os.cpu_count()} CPUs; transformers baselines in the bench process "
                  f"with {args.threads} torch threads before the cluster started; the cluster's processes share the same "
                  f"CPUs through the OS scheduler (verifier {spec.verifier_threads} torch threads, each LM drafter "
-                 f"{spec.drafter_threads}; router, scheduler, fusion, ngram drafter and Redis are asyncio/IO processes)")
+                 f"{spec.drafter_threads}; router, scheduler, fusion, ngram drafter and Redis are asyncio/IO processes); verifier "
+                 f"KV slots and drafter request slots: {slots}, verifier max context "
+                 f"{os.environ['COSINE_VERIFIER_MAX_CONTEXT']}; every other setting is the services' default")
     speculation = cluster_speculation(best, args.depth)
     cluster = Cluster(spec)
     bar.set_postfix_str("starting the cluster")
@@ -456,6 +465,8 @@ def format_table(doc: dict) -> str:
             lines.append("")
         last = point
         ident = f"{row['identical_outputs']}/{row['prompts']}" if row["identical_outputs"] is not None else "-"
+        if row.get("errors"):
+            ident += f" ({row['errors']} failed)"
         lines.append(
             f"{row['name']:17} {_point_label(point):>9} {_f(row['tokens_per_s'], '.1f', 7)} "
             f"{_f(row['ratio_to_target_only'], '.2f', 6)}x {_f(row['ratio_to_vanilla_sd'], '.2f', 5)}x "

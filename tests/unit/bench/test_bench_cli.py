@@ -40,6 +40,9 @@ def test_full_defaults_poisson_and_system_selection():
     assert compare.runs_at("hf-assisted", points[1], compare.build_args(["--rate", "0.5"]))  # FIFO, batch 1
     with pytest.raises(SystemExit):
         compare.build_args(["--systems", "nonsense"])
+    high = compare.build_args(["--concurrency", "16", "--rate", ""])
+    assert compare.load_points(high) == [("closed", 1, None), ("closed", 16, None)]  # the reference still runs
+    assert compare.runs_at("target-only", ("closed", 1, None), high) and not compare.runs_at("cosine-full", ("closed", 1, None), high)
 
 
 def test_cluster_switches_of_each_system():
