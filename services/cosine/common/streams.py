@@ -15,17 +15,28 @@ T = TypeVar("T")
 
 
 async def exchange(call: grpc.aio.StreamStreamCall, message: Any, peer: str) -> Any:
-    """Send one message on a bidi stream and wait for its one reply."""
-    await call.write(message)
+    """Send one message on a bidi stream and wait for its one reply.
+
+    A peer that ended the stream (say, a verifier out of slots answering RESOURCE_EXHAUSTED)
+    raises ServiceError with the peer's own status, whether that shows at the write or the read.
+    """
+    try:
+        await call.write(message)
+    except asyncio.InvalidStateError:  # "RPC already finished": the peer's status says why
+        await _ended(call, peer)
     reply = await call.read()
     if reply is grpc.aio.EOF:
-        code = await call.code()
-        details = await call.details()
-        raise ServiceError(
-            grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
-            f"{peer} ended the stream early: {details or code.name}",
-        )
+        await _ended(call, peer)
     return reply
+
+
+async def _ended(call: grpc.aio.StreamStreamCall, peer: str) -> None:
+    code = await call.code()
+    details = await call.details()
+    raise ServiceError(
+        grpc.StatusCode.UNAVAILABLE if code == grpc.StatusCode.OK else code,
+        f"{peer} ended the stream early: {details or code.name}",
+    )
 
 
 def close_quietly(call: grpc.aio.Call | None) -> None:
