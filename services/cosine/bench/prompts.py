@@ -4,23 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cosine.zoo.corpora import DomainPrompt
+
 
 @dataclass(frozen=True)
-class Prompt:
-    domain: str  # code | docs | literary | chat
-    text: str
-    chat: bool  # send as a user message through the chat template
+class Prompt(DomainPrompt):
+    """A benchmark prompt: domain (code | docs | literary | chat), text, and whether it goes
+    through the chat template (`token_ids` as the router tokenizes it)."""
 
     def request_fields(self, max_new_tokens: int) -> dict:
         if self.chat:
             return {"messages": [{"role": "user", "content": self.text}], "max_new_tokens": max_new_tokens}
         return {"prompt": self.text.encode(), "max_new_tokens": max_new_tokens}
-
-    def token_ids(self, tokenizer) -> list[int]:
-        if self.chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": self.text}], add_generation_prompt=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(tokenizer(self.text)["input_ids"])
 
 
 PROMPTS = [

@@ -24,7 +24,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DOMAINS = ("code", "docs", "literary", "chat")
+from cosine.bench.prompts import Prompt
+from cosine.zoo.corpora import DOMAINS
 
 SOURCES = {
     ("code", False): "Python stdlib source: a function's def line + docstring (zoo held-out)",
@@ -39,22 +40,8 @@ SOURCES = {
 
 
 @dataclass(frozen=True)
-class BenchPrompt:
-    domain: str
-    text: str
-    chat: bool  # a user message through the chat template; else a raw completion
-    source: str
-
-    def request_fields(self, max_new_tokens: int) -> dict:
-        if self.chat:
-            return {"messages": [{"role": "user", "content": self.text}], "max_new_tokens": max_new_tokens}
-        return {"prompt": self.text.encode(), "max_new_tokens": max_new_tokens}
-
-    def token_ids(self, tokenizer) -> list[int]:
-        if self.chat:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": self.text}], add_generation_prompt=True)
-            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return list(tokenizer(self.text)["input_ids"])
+class BenchPrompt(Prompt):
+    source: str = ""  # where the prompt came from
 
 
 def interleave(by_domain: dict[str, list[BenchPrompt]], per_domain: int) -> list[BenchPrompt]:
