@@ -222,7 +222,7 @@ def build(cfg: BuildConfig, target_dir: Path | None = None) -> list[Path]:
             built.append(build_domain(target, domain, cfg, seconds, evalsets, bar))
             bar.update(1)
         bar.set_postfix_str("evaluating the zoo")
-        report = evaluate_zoo(target, evalsets, cfg)
+        report = evaluate_zoo(target, evalsets)
         write_report(report)
         annotate_cards(report)
         bar.update(1)
@@ -310,7 +310,7 @@ def cost_ratio(drafter, target, reps: int = 21) -> float:
     return statistics.median(d) / statistics.median(t)
 
 
-def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]], cfg: BuildConfig | None = None,
+def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]],
                  names: list[str] | None = None, progress: Callable[[str], None] | None = None) -> dict:
     """Every drafter of the zoo (LM and n-gram) on every domain's held-out continuations."""
     from cosine.engine.llama import NativeLlama
@@ -438,7 +438,7 @@ def run_eval(names: list[str] | None = None, seed: int = 0, out: Path | None = N
         target = Target()
         evalsets = held_out(target, cfg, bar=bar)
         bar.update(1)
-        report = evaluate_zoo(target, evalsets, cfg, names, progress=bar.set_postfix_str)
+        report = evaluate_zoo(target, evalsets, names, progress=bar.set_postfix_str)
         paths = write_report(report, out)
         annotate_cards(report)
         bar.update(1)
