@@ -1,8 +1,12 @@
 """Measure two of issue 5's figures on the local cluster with the real target and the built zoo.
 
 1. Routing: with routing on (the full system, every drafter a candidate), which drafters the
-   scheduler selects for each domain's held-out prompts (`cosine_scheduler_drafter_selected_total`,
-   one request at a time, so the counter's change belongs to that domain).
+   scheduler selects for each domain's held-out prompts, one request at a time so the counters'
+   change belongs to that domain: the first round's choice from the prompt prior
+   (`cosine_scheduler_routing_first_choice_total`), and per drafting round
+   (`cosine_scheduler_drafter_selected_total` over rounds with depth > 0). Reported: the share of
+   requests whose first specialist choice is the domain's own, the share of drafting rounds the
+   domain's specialist drafts in, and its share of all specialist (lm-*) selections.
 2. Fusion: mean accepted draft tokens per drafting round with confidence fusion of prompt lookup and
    the domain's specialist, against each of them alone (fusion single), fixed depth 4, greedy.
 
@@ -25,14 +29,27 @@ from cosine.zoo.build import work_dir
 from cosine.zoo.corpora import DOMAINS, domain_split
 
 
-def selected(port: int) -> dict[str, float]:
+def selected(port: int) -> dict[str, dict[str, float]]:
+    """{"rounds": {drafter: rounds selected}, "first": {drafter: first choices}, "drafting": {"rounds": n}}."""
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out = {}
+    out: dict[str, dict[str, float]] = {"rounds": {}, "first": {}, "drafting": {"rounds": 0.0}}
+    count = zero = 0.0
     for line in body.splitlines():
-        if line.startswith("cosine_scheduler_drafter_selected_total{"):
-            name = line.split('drafter="', 1)[1].split('"', 1)[0]
-            out[name] = float(line.rsplit(" ", 1)[1])
+        for prefix, key in (("cosine_scheduler_drafter_selected_total{", "rounds"),
+                            ("cosine_scheduler_routing_first_choice_total{", "first")):
+            if line.startswith(prefix):
+                name = line.split('drafter="', 1)[1].split('"', 1)[0]
+                out[key][name] = float(line.rsplit(" ", 1)[1])
+        if line.startswith("cosine_scheduler_depth_count "):
+            count = float(line.rsplit(" ", 1)[1])
+        if line.startswith('cosine_scheduler_depth_bucket{le="0.0"}'):
+            zero = float(line.rsplit(" ", 1)[1])
+    out["drafting"]["rounds"] = count - zero
     return out
+
+
+def delta(after: dict, before: dict) -> dict:
+    return {key: {n: v - before[key].get(n, 0.0) for n, v in values.items()} for key, values in after.items()}
 
 
 def run(address: str, prompt, max_new: int, speculation: dict | None) -> dict:
@@ -60,6 +77,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=5, help="held-out prompts per domain")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--skip-fusion", action="store_true", help="measure routing only")
+    parser.add_argument("--routing-single", action="store_true",
+                        help="routing pass with fusion single: one drafter per round, the best-scored (or the one explored)")
     args = parser.parse_args()
     spec = ClusterSpec(router_port=free_port())
     names = [d.name for d in spec.drafters]
@@ -69,16 +89,17 @@ def main() -> int:
     result = {"routing": {}, "fusion": {}}
     try:
         port = next(p for p in cluster.processes if p.name == "scheduler").metrics_port
-        bar = tqdm(total=len(DOMAINS) * args.prompts * 4, desc="mechanisms", unit="request")
+        bar = tqdm(total=len(DOMAINS) * args.prompts * (1 if args.skip_fusion else 4), desc="mechanisms", unit="request")
         for domain in DOMAINS:
             specialist = f"lm-{domain}"
             before = selected(port)
             for p in prompts[domain]:
-                run(cluster.router_address, p, args.max_new_tokens, None)
+                run(cluster.router_address, p, args.max_new_tokens,
+                    {"fusion": common_pb2.FUSION_MODE_SINGLE} if args.routing_single else None)
                 bar.update(1)
-            after = selected(port)
-            counts = {n: after.get(n, 0) - before.get(n, 0) for n in names}
-            result["routing"][domain] = counts
+            result["routing"][domain] = delta(selected(port), before)
+            if args.skip_fusion:
+                continue
             rows = {}
             for label, speculation in (
                 ("fused ngram+" + specialist, {"drafters": ["ngram", specialist], "fusion": common_pb2.FUSION_MODE_CONFIDENCE}),
@@ -97,11 +118,24 @@ def main() -> int:
     finally:
         cluster.stop()
     for domain in DOMAINS:
-        counts = result["routing"][domain]
-        rounds = sum(counts.values()) or 1
-        shares = ", ".join(f"{n} {c / rounds:.0%}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1]) if c)
-        print(f"{domain:9} routing selections: {shares}")
-        print(f"{'':9} accepted per round (depth 4): " + ", ".join(f"{k} {v:.2f}" for k, v in result["fusion"][domain].items()))
+        r = result["routing"][domain]
+        own = f"lm-{domain}"
+        firsts = {n: c for n, c in r["first"].items() if c}
+        lm_rounds = sum(c for n, c in r["rounds"].items() if n.startswith("lm-"))
+        drafting = r["drafting"]["rounds"] or 1
+        summary = {
+            "first_choice_own": r["first"].get(own, 0) / args.prompts,  # requests whose first round included it
+            "rounds_with_own": r["rounds"].get(own, 0) / drafting,
+            "own_share_of_specialist_selections": r["rounds"].get(own, 0) / max(lm_rounds, 1),
+        }
+        r["summary"] = summary
+        shares = ", ".join(f"{n} {c / drafting:.0%}" for n, c in sorted(r["rounds"].items(), key=lambda kv: -kv[1]) if c)
+        print(f"{domain:9} first round's drafters (prior), over {args.prompts} requests: {firsts}")
+        print(f"{'':9} rounds each drafter drafted in: {shares}")
+        print(f"{'':9} own specialist: in the first round of {summary['first_choice_own']:.0%} of requests, in {summary['rounds_with_own']:.0%} of "
+              f"drafting rounds, {summary['own_share_of_specialist_selections']:.0%} of specialist selections")
+        if domain in result["fusion"]:
+            print(f"{'':9} accepted per round (depth 4): " + ", ".join(f"{k} {v:.2f}" for k, v in result["fusion"][domain].items()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     return 0

@@ -58,9 +58,9 @@ async def test_greedy_output_is_the_targets_under_every_switch(services, referen
         used = list(final.stats.drafters)
         if not routing:
             assert used in ([], ["ngram"]), used  # the fixed drafter: the router's first default
-        else:  # routing starts with the router's order (no evidence yet), then may add or explore the other
+        else:  # routing starts with what the prompt prior ranks first, then may add or explore the other
             # candidate; how many it exploits is the global controller's, which moves with the verifier's load
-            assert set(used) <= {"ngram", "tiny"} and used[:1] in ([], ["ngram"]), used
+            assert set(used) <= {"ngram", "tiny"}, used
     assert drafted > 0
     after = (await scrape_all(services))["fusion"]
     moved = (value(after, "cosine_fusion_rounds_total", mode=fusion) or 0) - (value(before, "cosine_fusion_rounds_total", mode=fusion) or 0)
@@ -138,7 +138,9 @@ def other_drafter_dir(tmp_path_factory, tiny_dirs):
 async def test_routing_moves_to_the_drafter_the_target_agrees_with(services, reference, redis_server, tiny_dirs,  # noqa: F811
                                                                    other_drafter_dir):
     """One drafter per round (k = 1). The router's first default is a random LM the target does not agree with,
-    the second prompt lookup, which a looping target agrees with: routing must try it and then keep it."""
+    the second prompt lookup, which a looping target agrees with. A prompt that repeats itself is predicted
+    by prompt lookup, so the prior gives it the first round; on a prompt that does not, routing starts with
+    the random LM, must try prompt lookup and then keep it."""
     common = {"port": 0, "drain_timeout_s": 1.0, "metrics_port": 0}
     started = []
     try:
@@ -155,13 +157,17 @@ async def test_routing_moves_to_the_drafter_the_target_agrees_with(services, ref
             scheduler=f"127.0.0.1:{scheduler.port}", fusion=f"127.0.0.1:{fusion.port}",
             model=str(tiny_dirs["target"]), default_drafters=["other", "ngram"], **common))
         started.append(router)
-        routed = scheduler.servicer.metrics.routed
-        for prompt in ("a b c a b c a b", PROMPTS[1]):  # the tiny random target falls into loops prompt lookup predicts
-            before = {n: routed.labels(n)._value.get() for n in ("other", "ngram")}
+        metrics = scheduler.servicer.metrics
+        routed, first = metrics.routed, metrics.first_choice
+        for prompt, first_drafters in (("a b c a b c a b", ["ngram", "other"]), (PROMPTS[1], ["other", "ngram"])):
+            # the tiny random target falls into loops prompt lookup predicts
+            before = {n: (routed.labels(n)._value.get(), first.labels(n)._value.get()) for n in ("other", "ngram")}
             ids, _, final = await generate(f"127.0.0.1:{router.port}", prompt=prompt.encode(), max_new_tokens=64)
             assert ids == no_eos(reference(prompt, 64))
-            chosen = {n: routed.labels(n)._value.get() - before[n] for n in ("other", "ngram")}
-            assert list(final.stats.drafters) == ["other", "ngram"]  # the first default, then the one routing explored
+            chosen = {n: routed.labels(n)._value.get() - before[n][0] for n in ("other", "ngram")}
+            firsts = {n: first.labels(n)._value.get() - before[n][1] for n in ("other", "ngram")}
+            assert firsts == {first_drafters[0]: 1, first_drafters[1]: 0}
+            assert list(final.stats.drafters)[0] == first_drafters[0]  # the prior's choice drafted the first round
             assert chosen["ngram"] >= 0.8 * final.stats.rounds > chosen["other"], (chosen, final.stats)
             assert final.stats.accepted_tokens > 0
     finally:
@@ -201,3 +207,42 @@ async def test_drafting_ahead_is_used_when_the_round_goes_as_assumed(services, r
                 assert moved == {"used": 0, "discarded": 0}
     finally:
         await scheduler.stop()
+
+
+async def test_fusion_answers_a_scored_open_with_every_drafters_prompt_fit(services, tiny_dirs):  # noqa: F811
+    """The prior's numbers travel drafter → fusion → scheduler unchanged: each is what the drafter computes locally,
+    and a drafter that scored (so prefilled) the prompt drafts exactly what it drafts without scoring."""
+    from cosine.engine.drafters import LMDrafter, NgramDrafter
+    from cosine.engine.models import load_causal_lm
+    from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
+
+    prompt = [1, 5, 9, 1, 5, 9, 2, 7, 1, 5, 300, 42]
+    local = {"ngram": NgramDrafter(), "tiny": LMDrafter("tiny", load_causal_lm(tiny_dirs["drafter"]))}
+    expected = {}
+    for name, d in local.items():
+        d.open("r", prompt)
+        expected[name] = d.score_prompt("r")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{services['fusion'].port}") as channel:
+        stub = fusion_pb2_grpc.FusionStub(channel)
+        replies = {}
+        for scored in (True, False):
+            call = stub.Speculate(timeout=60)
+            await call.write(fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
+                request_id=f"fit-{scored}", prompt_token_ids=prompt, drafters=["tiny", "ngram"],
+                fusion=common_pb2.FUSION_MODE_MERGE, score_prompt=scored)))
+            if scored:
+                fits = {f.drafter: f for f in (await call.read()).prompt_fits}
+                assert sorted(fits) == ["ngram", "tiny"]
+                for name, want in expected.items():
+                    got = fits[name]
+                    assert (got.positions, got.hits) == (want.positions, want.hits) == (len(prompt) - 1, got.hits)
+                    assert got.confidence_sum == pytest.approx(want.confidence_sum, rel=1e-3)
+                    assert got.has_logprob == (want.logprob_sum is not None)
+                    if got.has_logprob:
+                        assert got.logprob_sum == pytest.approx(want.logprob_sum, rel=1e-3)
+                assert fits["ngram"].hits >= 2  # "1 5" → 9 after the first repeat, "9" → 1 ...
+            await call.write(fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(depth=4)))
+            reply = await call.read()
+            replies[scored] = {p.drafter: list(p.token_ids) for p in reply.proposals}
+            call.cancel()
+        assert replies[True] == replies[False]

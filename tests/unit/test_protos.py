@@ -56,12 +56,19 @@ def test_internal_messages_keep_their_field_numbers():
         return {f.name: f.number for f in message.DESCRIPTOR.fields}
 
     assert numbers(drafter_pb2.DraftStep) == {"committed_token_ids": 1, "depth": 2, "trace_context": 3, "context_token_ids": 4, "top_k": 5}
-    assert numbers(drafter_pb2.DraftResponse) == {"token_ids": 1, "probs": 2, "candidates": 3}
+    assert numbers(drafter_pb2.DraftOpen) == {"request_id": 1, "prompt_token_ids": 2, "score_prompt": 3}
+    assert numbers(drafter_pb2.DraftResponse) == {"token_ids": 1, "probs": 2, "candidates": 3, "prompt_fit": 4}
     assert numbers(drafter_pb2.Candidates) == {"token_ids": 1, "probs": 2}
-    assert numbers(fusion_pb2.SpeculateOpen) == {"request_id": 1, "prompt_token_ids": 2, "drafters": 3, "fusion": 4}
+    assert numbers(fusion_pb2.SpeculateOpen) == {"request_id": 1, "prompt_token_ids": 2, "drafters": 3, "fusion": 4,
+                                                 "score_prompt": 5}
     assert numbers(fusion_pb2.SpeculateRound) == {"committed_token_ids": 1, "depth": 2, "trace_context": 3, "drafters": 4, "budget": 5,
                                                      "context_token_ids": 6}
-    assert numbers(fusion_pb2.SpeculateResponse) == {"tree": 1, "draft_ms": 2, "proposals": 3, "fused_token_ids": 4}
+    assert numbers(fusion_pb2.SpeculateResponse) == {"tree": 1, "draft_ms": 2, "proposals": 3, "fused_token_ids": 4,
+                                                     "prompt_fits": 5}
+    from cosine.common.v1 import common_pb2
+
+    assert numbers(common_pb2.PromptFit) == {"drafter": 1, "positions": 2, "hits": 3, "confidence_sum": 4, "logprob_sum": 5,
+                                             "has_logprob": 6}
     assert numbers(fusion_pb2.DrafterProposal) == {"drafter": 1, "token_ids": 2, "probs": 3}
     assert numbers(scheduler_pb2.SubmitRequest) == {
         "request_id": 1, "prompt_token_ids": 2, "max_new_tokens": 3, "sampling": 4, "speculation": 5, "stop_token_ids": 6,

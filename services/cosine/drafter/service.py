@@ -48,6 +48,12 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         raise invalid("Draft open needs the prompt's token ids")
                     request_id = message.open.request_id
                     await self.worker.run(self.drafter.open, request_id, list(message.open.prompt_token_ids))
+                    if message.open.score_prompt:  # expertise routing's prior: answer the open
+                        fit = await self.worker.run(self.drafter.score_prompt, request_id)
+                        yield drafter_pb2.DraftResponse(prompt_fit=common_pb2.PromptFit(
+                            drafter=self.drafter.name, positions=fit.positions, hits=fit.hits,
+                            confidence_sum=fit.confidence_sum, logprob_sum=fit.logprob_sum or 0.0,
+                            has_logprob=fit.logprob_sum is not None))
                 elif kind == "step":
                     if request_id is None:
                         raise invalid("Draft step before open")

@@ -8,12 +8,17 @@ target rejected is forgotten (caches are cut back to the committed prefix).
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from cosine.engine.vocab import DraftVocab
+from cosine.router.routing import PromptFit
+
+# Prompt positions a drafter scores for expertise routing's prior (the last ones of a long prompt).
+SCORED_POSITIONS = 256
 
 
 class Drafter(abc.ABC):
@@ -44,6 +49,12 @@ class Drafter(abc.ABC):
         as (token, probability), most probable first. Default: the one token `draft` proposes."""
         tokens, probs = self.draft(request_id, committed, 1 if top_k > 0 else 0, context)
         return list(zip(tokens, probs))
+
+    def score_prompt(self, request_id: str) -> PromptFit:
+        """Right after `open`: how well this drafter predicts the prompt's next token at each of its
+        last SCORED_POSITIONS positions (expertise routing's prior). LM drafters prefill the prompt
+        into the request's cache while they score it. Default: nothing scored."""
+        return PromptFit(0, 0, 0.0)
 
     @abc.abstractmethod
     def release(self, request_id: str) -> None:
@@ -93,6 +104,29 @@ class NgramDrafter(Drafter):
                     return proposal, [confidence] * len(proposal)
         return [], []
 
+    def score_prompt(self, request_id: str) -> PromptFit:
+        """At every prompt position, what `draft` would have proposed after the prompt so far
+        (one pass: the latest start of every n-gram is kept in a table as the scan moves on)."""
+        tokens = self._tokens[request_id]
+        first = max(1, len(tokens) - SCORED_POSITIONS)
+        latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.max_ngram + 1)]
+        hits = positions = 0
+        confidence = 0.0
+        for i in range(1, len(tokens)):
+            # predict tokens[i] from tokens[:i]: the longest tail with an earlier occurrence wins
+            if i >= first:
+                positions += 1
+                for n in range(min(self.max_ngram, i - 1), self.min_ngram - 1, -1):
+                    start = latest[n].get(tuple(tokens[i - n : i]))
+                    if start is not None:
+                        hits += tokens[start + n] == tokens[i]
+                        confidence += n / (self.max_ngram + 1)
+                        break
+            # the n-grams ending at i become earlier occurrences for the positions after i
+            for n in range(self.min_ngram, min(self.max_ngram, i) + 1):
+                latest[n][tuple(tokens[i - n : i])] = i - n
+        return PromptFit(positions, hits, confidence, None)
+
     def release(self, request_id: str) -> None:
         self._tokens.pop(request_id, None)
 
@@ -131,6 +165,37 @@ class _CachedLMDrafter(Drafter):
 
     def _max_len(self) -> int | None:
         return None
+
+    @abc.abstractmethod
+    def _run_all(self, slot: _LMSlot, ids: list[int], start: int) -> torch.Tensor:
+        """Like `_run`, but the logits of every token fed, [len(ids), vocab]."""
+
+    @torch.inference_mode()
+    def score_prompt(self, request_id: str) -> PromptFit:
+        """Prefill the prompt (the cache keeps it for the first draft), scoring its last positions."""
+        slot = self._slots[request_id]
+        prompt = list(slot.committed)
+        limit_len = self._max_len()
+        if limit_len is not None:
+            prompt = prompt[: limit_len - 1]
+        if slot.cached or len(prompt) < 2:
+            return PromptFit(0, 0, 0.0)
+        ids = self.vocab.to_draft(prompt) if self.vocab is not None else prompt
+        split = max(0, len(prompt) - 1 - SCORED_POSITIONS)  # rows from `split` on predict a scored token
+        if split > 0:
+            self._run(slot, ids[:split], 0)
+        logits = self._run_all(slot, ids[split:], split)[:-1].float()  # row j predicts prompt[split + j + 1]
+        slot.cached.extend(prompt)
+        logp = torch.log_softmax(logits, dim=-1)
+        top_logp, top = logp.max(dim=-1)
+        targets = prompt[split + 1 :]
+        index = torch.tensor(ids[split + 1 :])
+        known = torch.tensor([t in self.vocab for t in targets]) if self.vocab is not None else torch.ones(len(targets), dtype=torch.bool)
+        # a token outside a reduced vocabulary has probability 0 here: count it as uniform over the target's
+        floor = -math.log(max(self.vocab_size, 2))
+        target_logp = torch.where(known, logp.gather(1, index[:, None])[:, 0], torch.tensor(floor))
+        hits = int(((top == index) & known).sum())
+        return PromptFit(len(targets), hits, float(top_logp.exp().sum()), float(target_logp.sum()))
 
     def _forward(self, slot: _LMSlot, ids: list[int]) -> torch.Tensor:
         logits = self._run(slot, self.vocab.to_draft(ids) if self.vocab is not None else ids, len(slot.cached))
@@ -209,6 +274,10 @@ class LMDrafter(_CachedLMDrafter):
         x = torch.tensor([ids], device=self.device)
         return self.model(input_ids=x, cache=slot.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
 
+    def _run_all(self, slot: _LMSlot, ids: list[int], start: int) -> torch.Tensor:
+        x = torch.tensor([ids], device=self.device)
+        return self.model(input_ids=x, cache=slot.cache, use_cache=True).logits[0]
+
     def _cut(self, slot: _LMSlot, keep: int) -> None:
         slot.cache.crop(-(len(slot.cached) - keep))
 
@@ -244,6 +313,11 @@ class NativeLMDrafter(_CachedLMDrafter):
 
         seq = Seq(slot.cache, ids, list(range(start, start + len(ids))), logits="last")
         return self.model.forward([seq], self.kv)[0][-1]
+
+    def _run_all(self, slot: _LMSlot, ids: list[int], start: int) -> torch.Tensor:
+        from cosine.engine.llama import Seq
+
+        return self.model.forward([Seq(slot.cache, ids, list(range(start, start + len(ids))), logits="all")], self.kv)[0]
 
     def _cut(self, slot: _LMSlot, keep: int) -> None:
         self.kv.truncate(slot.cache, keep)

@@ -99,6 +99,8 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
                     if req is not None:
                         raise invalid("Speculate stream opened twice")
                     req = self._open(message.open)
+                    if message.open.score_prompt:
+                        yield fusion_pb2.SpeculateResponse(prompt_fits=await self._score(req, context))
                 elif kind == "round":
                     if req is None:
                         raise invalid("Speculate round before open")
@@ -136,6 +138,19 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             await call.write(drafter_pb2.DraftRequest(
                 open=drafter_pb2.DraftOpen(request_id=req.request_id, prompt_token_ids=req.prompt)))
         return call
+
+    async def _score(self, req: _Request, context) -> list:
+        """Open every drafter of the request now; each prefills the prompt and reports how well it predicted it."""
+        async def one(name):
+            call = self.drafters[name].Draft(timeout=context.time_remaining(), metadata=req.metadata)
+            req.calls[name] = call
+            reply = await exchange(call, drafter_pb2.DraftRequest(open=drafter_pb2.DraftOpen(
+                request_id=req.request_id, prompt_token_ids=req.prompt, score_prompt=True)), f"drafter {name}")
+            return reply.prompt_fit
+        try:
+            return await asyncio.gather(*(one(n) for n in req.names))
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"a drafter failed: {exc.details()}") from exc
 
     async def _exchange(self, req: _Request, names: list[str], steps: dict[str, drafter_pb2.DraftStep], context) -> list:
         async def one(name):

@@ -17,7 +17,7 @@ from cosine.common.streams import close_quietly, exchange
 from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
-from cosine.router.routing import ExpertiseRouter
+from cosine.router.routing import ExpertiseRouter, PromptFit
 from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter
@@ -53,6 +53,9 @@ class SchedulerMetrics:
         self.ahead = Counter("cosine_scheduler_draft_ahead_total", "rounds drafted ahead of a verification, by outcome",
                              ["outcome"], registry=registry)
         self.routed = Counter("cosine_scheduler_drafter_selected_total", "rounds each drafter was selected for", ["drafter"], registry=registry)
+        self.first_choice = Counter("cosine_scheduler_routing_first_choice_total",
+                                    "requests whose first round expertise routing gave to each drafter (from the prompt prior)",
+                                    ["drafter"], registry=registry)
         # acceptance by position: position p of the drafted chain (0 = the first draft token) was drafted / accepted
         self.position_drafted = Counter("cosine_scheduler_position_drafted_total", "rounds whose tree reached draft position p",
                                         ["position"], registry=registry)
@@ -209,8 +212,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await verify_call.write(verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
                 request_id=rid, committed_token_ids=prompt, sampling=sampling, prompt_len=len(prompt))))
             if spec_call is not None:
-                await spec_call.write(fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
-                    request_id=rid, prompt_token_ids=prompt, drafters=drafters, fusion=FUSION_MODES[plan.switches.fusion])))
+                opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
+                    request_id=rid, prompt_token_ids=prompt, drafters=drafters, fusion=FUSION_MODES[plan.switches.fusion],
+                    score_prompt=plan.router is not None))
+                if plan.router is None:
+                    await spec_call.write(opening)
+                else:  # routing's prior: every candidate prefills the prompt and says how well it predicted it
+                    with self.tracing.span("scheduler.score_prompt", {"cosine.drafters": len(drafters)}):
+                        scored = await exchange(spec_call, opening, "fusion")
+                    self._prior(plan.router, scored.prompt_fits)
             async for response in self._rounds(request, rid, prompt, plan, verify_call, spec_call):
                 if response.WhichOneof("kind") == "final":
                     status, reason = "finished", common_pb2.FinishReason.Name(response.final.finish_reason)
@@ -385,6 +395,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             fused = list(reply.fused_token_ids) or None
             drafts = {p.drafter: (list(p.token_ids), list(p.probs)) for p in reply.proposals if p.drafter in plan.router.evidence}
             plan.router.observe_round(drafts, target_tokens, accepted, context=fused)
+
+    def _prior(self, router: ExpertiseRouter, fits) -> None:
+        for f in fits:
+            if f.drafter in router.evidence:
+                router.prior(f.drafter, PromptFit(f.positions, f.hits, f.confidence_sum, f.logprob_sum if f.has_logprob else None))
+        first = router.select()
+        for name in first:
+            self.metrics.first_choice.labels(name).inc()
 
     def _observe_speculation(self, depth, drafters, chain, accepted) -> None:
         m = self.metrics

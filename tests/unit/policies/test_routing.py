@@ -6,7 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cosine.router.routing import ExpertiseRouter, agreement, harmonic
+from cosine.router.routing import ExpertiseRouter, PromptFit, agreement, harmonic
+
+
+def fit(hit_rate: float, confidence: float = 0.5, positions: int = 40, mean_logprob: float | None = -3.0) -> PromptFit:
+    return PromptFit(positions, round(hit_rate * positions), confidence * positions,
+                     None if mean_logprob is None else mean_logprob * positions)
 
 
 def test_agreement_scores_only_positions_with_the_targets_context():
@@ -27,24 +32,64 @@ def test_harmonic_is_low_unless_both_are_high():
     assert harmonic(0.5, 0.5) == pytest.approx(0.5)
 
 
-def test_prior_ranks_by_mean_logprob_of_the_prompt():
+def test_prompt_fit_is_the_online_score_on_the_prompt():
+    f = PromptFit(positions=10, hits=4, confidence_sum=6.0, logprob_sum=-20.0)
+    assert f.hit_rate == 0.4 and f.confidence == 0.6 and f.mean_logprob == -2.0
+    assert f.value == pytest.approx(harmonic(0.6, 0.4))
+    assert PromptFit(0, 0, 0.0).value == 0.0 and PromptFit(0, 0, 0.0).mean_logprob is None
+    assert PromptFit(5, 2, 3.0, None).mean_logprob is None  # n-gram: no distribution
+
+
+def test_prior_ranks_by_how_well_each_drafter_predicted_the_prompt():
     r = ExpertiseRouter(["code", "prose", "chat"], k=1)
-    r.prior("code", -4.0)
-    r.prior("prose", -1.0)
-    r.prior("chat", -2.5)
+    r.prior("code", fit(0.1))
+    r.prior("prose", fit(0.5))
+    r.prior("chat", fit(0.3))
     assert r.ranking() == ["prose", "chat", "code"]
     assert r.select() == ["prose"]
-    assert r.scores()["prose"] == pytest.approx(math.exp(-1.0))
-    r.prior("prose", -5.0)  # a new prior replaces the old one
+    assert r.scores()["prose"] == pytest.approx(0.5)
+    r.prior("prose", fit(0.05))  # a new prior replaces the old one
     assert r.select() == ["chat"]
+    assert r.scores()["prose"] == pytest.approx(harmonic(0.5, 0.05))
+
+
+def test_equal_priors_are_ranked_by_prompt_logprob_and_ngram_without_one_last():
+    r = ExpertiseRouter(["ngram", "a", "b"], k=2)
+    r.prior("ngram", fit(0.3, mean_logprob=None))
+    r.prior("a", fit(0.3, mean_logprob=-6.0))
+    r.prior("b", fit(0.3, mean_logprob=-4.5))
+    assert r.ranking() == ["b", "a", "ngram"]
+
+
+def test_prior_weight_is_the_positions_scored_up_to_the_cap():
+    short = ExpertiseRouter(["a", "b"], k=1, prior_weight=8.0)
+    short.prior("a", fit(0.9, confidence=0.9, positions=2))  # two prompt positions: weak evidence
+    short.prior("b", fit(0.5, confidence=0.5, positions=40))
+    for _ in range(2):  # wrong on its first two rounds
+        short.observe("a", [1, 2], [3, 4, 5], [0.9, 0.9])
+    assert short.select() == ["b"]
+    long = ExpertiseRouter(["a", "b"], k=1, prior_weight=8.0)
+    long.prior("a", fit(0.9, confidence=0.9, positions=40))
+    long.prior("b", fit(0.5, confidence=0.5, positions=40))
+    for _ in range(2):  # two bad rounds do not undo 8 positions of prompt evidence
+        long.observe("a", [1, 2], [3, 4, 5], [0.9, 0.9])
+    assert long.select() == ["a"]
+
+
+def test_prior_replaced_after_observations_keeps_only_the_evidence():
+    r = ExpertiseRouter(["a"], decay=0.5)
+    r.prior("a", fit(0.9, confidence=0.9))
+    r.observe("a", [1, 2], [1, 2, 3], [0.8, 0.8])
+    r.prior("a", PromptFit(0, 0, 0.0))  # a prior of weight 0 replaces it: only the round is left
+    assert r.scores()["a"] == pytest.approx(harmonic(0.8, 1.0))
 
 
 def test_a_drafter_that_always_agrees_with_the_target_wins():
     r = ExpertiseRouter(["a", "b", "c"], k=1, threshold=0.0)
     # the prior favours "b", but "a" always drafts exactly what the target accepts
-    r.prior("a", -2.0)
-    r.prior("b", -0.2)
-    r.prior("c", -1.0)
+    r.prior("a", fit(0.2))
+    r.prior("b", fit(0.8))
+    r.prior("c", fit(0.4))
     assert r.select() == ["b"]
     target = list(range(100, 140))
     for rnd in range(8):
@@ -73,8 +118,8 @@ def test_old_evidence_decays():
 
 def test_an_under_performing_request_explores_the_least_tried_drafter():
     r = ExpertiseRouter(["a", "b", "c", "d"], k=1, threshold=2.0)
-    for name, mlp in [("a", -0.5), ("b", -1.0), ("c", -1.5), ("d", -3.0)]:
-        r.prior(name, mlp)
+    for name, rate in [("a", 0.6), ("b", 0.4), ("c", 0.3), ("d", 0.1)]:
+        r.prior(name, fit(rate))
     assert r.select() == ["a"]  # no round yet: nothing to explore on
     # b and c have been tried (say earlier explorations), d never
     r.observe("b", [1], [2, 3], [0.5])
@@ -92,23 +137,23 @@ def test_an_under_performing_request_explores_the_least_tried_drafter():
 
 def test_exploration_with_equal_tries_prefers_the_better_score():
     r = ExpertiseRouter(["a", "b", "c"], k=1, threshold=1.0)
-    r.prior("a", -0.1)
-    r.prior("b", -3.0)
-    r.prior("c", -1.0)
+    r.prior("a", fit(0.6))
+    r.prior("b", fit(0.1))
+    r.prior("c", fit(0.3))
     r.record_round(0)
     assert r.select() == ["a", "c"]
 
 
 def test_requested_drafters_override():
     r = ExpertiseRouter(["a", "b", "c"], k=2, threshold=5.0, requested=["c", "c"])
-    r.prior("a", -0.1)
+    r.prior("a", fit(0.6))
     r.record_round(0)
     assert r.select() == ["c"]
 
 
 def test_state_round_trips():
     r = ExpertiseRouter(["a", "b"], k=1, threshold=1.5)
-    r.prior("a", -1.0)
+    r.prior("a", fit(0.3, mean_logprob=-2.0))
     r.observe_round({"a": ([1, 2], [0.8, 0.7]), "b": ([1, 3], [0.6, 0.6])}, accepted=[1, 2, 4], accepted_length=2)
     import json
 

@@ -102,3 +102,19 @@ class ModelInfo(_message.Message):
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PromptFit(_message.Message):
+    __slots__ = ("drafter", "positions", "hits", "confidence_sum", "logprob_sum", "has_logprob")
+    DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    CONFIDENCE_SUM_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_SUM_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    drafter: str
+    positions: int
+    hits: int
+    confidence_sum: float
+    logprob_sum: float
+    has_logprob: bool
+    def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[int] = ..., hits: _Optional[int] = ..., confidence_sum: _Optional[float] = ..., logprob_sum: _Optional[float] = ..., has_logprob: _Optional[bool] = ...) -> None: ...

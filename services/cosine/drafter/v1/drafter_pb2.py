@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cosine.common.v1 import common_pb2 as cosine_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63osine/drafter/v1/drafter.proto\x12\x11\x63osine.drafter.v1\x1a\x1d\x63osine/common/v1/common.proto\"9\n\tDraftOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\"\xdd\x01\n\tDraftStep\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\r\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x45\n\rtrace_context\x18\x03 \x03(\x0b\x32..cosine.drafter.v1.DraftStep.TraceContextEntry\x12\x19\n\x11\x63ontext_token_ids\x18\x04 \x03(\r\x12\r\n\x05top_k\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"r\n\x0c\x44raftRequest\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.cosine.drafter.v1.DraftOpenH\x00\x12,\n\x04step\x18\x02 \x01(\x0b\x32\x1c.cosine.drafter.v1.DraftStepH\x00\x42\x06\n\x04kind\".\n\nCandidates\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"d\n\rDraftResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x31\n\ncandidates\x18\x03 \x03(\x0b\x32\x1d.cosine.drafter.v1.Candidates2\x9d\x01\n\x07\x44rafter\x12N\n\x05\x44raft\x12\x1f.cosine.drafter.v1.DraftRequest\x1a .cosine.drafter.v1.DraftResponse(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.cosine.common.v1.InfoRequest\x1a\x1b.cosine.common.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x63osine/drafter/v1/drafter.proto\x12\x11\x63osine.drafter.v1\x1a\x1d\x63osine/common/v1/common.proto\"O\n\tDraftOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x14\n\x0cscore_prompt\x18\x03 \x01(\x08\"\xdd\x01\n\tDraftStep\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\r\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12\x45\n\rtrace_context\x18\x03 \x03(\x0b\x32..cosine.drafter.v1.DraftStep.TraceContextEntry\x12\x19\n\x11\x63ontext_token_ids\x18\x04 \x03(\r\x12\r\n\x05top_k\x18\x05 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"r\n\x0c\x44raftRequest\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.cosine.drafter.v1.DraftOpenH\x00\x12,\n\x04step\x18\x02 \x01(\x0b\x32\x1c.cosine.drafter.v1.DraftStepH\x00\x42\x06\n\x04kind\".\n\nCandidates\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"\x95\x01\n\rDraftResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\x12\x31\n\ncandidates\x18\x03 \x03(\x0b\x32\x1d.cosine.drafter.v1.Candidates\x12/\n\nprompt_fit\x18\x04 \x01(\x0b\x32\x1b.cosine.common.v1.PromptFit2\x9d\x01\n\x07\x44rafter\x12N\n\x05\x44raft\x12\x1f.cosine.drafter.v1.DraftRequest\x1a .cosine.drafter.v1.DraftResponse(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.cosine.common.v1.InfoRequest\x1a\x1b.cosine.common.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,17 +35,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DRAFTSTEP_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_DRAFTSTEP_TRACECONTEXTENTRY']._serialized_options = b'8\001'
   _globals['_DRAFTOPEN']._serialized_start=85
-  _globals['_DRAFTOPEN']._serialized_end=142
-  _globals['_DRAFTSTEP']._serialized_start=145
-  _globals['_DRAFTSTEP']._serialized_end=366
-  _globals['_DRAFTSTEP_TRACECONTEXTENTRY']._serialized_start=315
-  _globals['_DRAFTSTEP_TRACECONTEXTENTRY']._serialized_end=366
-  _globals['_DRAFTREQUEST']._serialized_start=368
-  _globals['_DRAFTREQUEST']._serialized_end=482
-  _globals['_CANDIDATES']._serialized_start=484
-  _globals['_CANDIDATES']._serialized_end=530
-  _globals['_DRAFTRESPONSE']._serialized_start=532
-  _globals['_DRAFTRESPONSE']._serialized_end=632
-  _globals['_DRAFTER']._serialized_start=635
-  _globals['_DRAFTER']._serialized_end=792
+  _globals['_DRAFTOPEN']._serialized_end=164
+  _globals['_DRAFTSTEP']._serialized_start=167
+  _globals['_DRAFTSTEP']._serialized_end=388
+  _globals['_DRAFTSTEP_TRACECONTEXTENTRY']._serialized_start=337
+  _globals['_DRAFTSTEP_TRACECONTEXTENTRY']._serialized_end=388
+  _globals['_DRAFTREQUEST']._serialized_start=390
+  _globals['_DRAFTREQUEST']._serialized_end=504
+  _globals['_CANDIDATES']._serialized_start=506
+  _globals['_CANDIDATES']._serialized_end=552
+  _globals['_DRAFTRESPONSE']._serialized_start=555
+  _globals['_DRAFTRESPONSE']._serialized_end=704
+  _globals['_DRAFTER']._serialized_start=707
+  _globals['_DRAFTER']._serialized_end=864
 # @@protoc_insertion_point(module_scope)

@@ -8,12 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftOpen(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "score_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SCORE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    score_prompt: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., score_prompt: _Optional[bool] = ...) -> None: ...
 
 class DraftStep(_message.Message):
     __slots__ = ("committed_token_ids", "depth", "trace_context", "context_token_ids", "top_k")
@@ -53,11 +55,13 @@ class Candidates(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftResponse(_message.Message):
-    __slots__ = ("token_ids", "probs", "candidates")
+    __slots__ = ("token_ids", "probs", "candidates", "prompt_fit")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROBS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIT_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     probs: _containers.RepeatedScalarFieldContainer[float]
     candidates: _containers.RepeatedCompositeFieldContainer[Candidates]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., candidates: _Optional[_Iterable[_Union[Candidates, _Mapping]]] = ...) -> None: ...
+    prompt_fit: _common_pb2.PromptFit
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ..., candidates: _Optional[_Iterable[_Union[Candidates, _Mapping]]] = ..., prompt_fit: _Optional[_Union[_common_pb2.PromptFit, _Mapping]] = ...) -> None: ...

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cosine.common.v1 import common_pb2 as cosine_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63osine/fusion/v1/fusion.proto\x12\x10\x63osine.fusion.v1\x1a\x1d\x63osine/common/v1/common.proto\"}\n\rSpeculateOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x10\n\x08\x64rafters\x18\x03 \x03(\t\x12,\n\x06\x66usion\x18\x04 \x01(\x0e\x32\x1c.cosine.common.v1.FusionMode\"\xf9\x01\n\x0eSpeculateRound\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\r\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12I\n\rtrace_context\x18\x03 \x03(\x0b\x32\x32.cosine.fusion.v1.SpeculateRound.TraceContextEntry\x12\x10\n\x08\x64rafters\x18\x04 \x03(\t\x12\x0e\n\x06\x62udget\x18\x05 \x01(\r\x12\x19\n\x11\x63ontext_token_ids\x18\x06 \x03(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"~\n\x10SpeculateRequest\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.cosine.fusion.v1.SpeculateOpenH\x00\x12\x31\n\x05round\x18\x02 \x01(\x0b\x32 .cosine.fusion.v1.SpeculateRoundH\x00\x42\x06\n\x04kind\"\x9f\x01\n\x11SpeculateResponse\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.cosine.common.v1.DraftTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\x12\x34\n\tproposals\x18\x03 \x03(\x0b\x32!.cosine.fusion.v1.DrafterProposal\x12\x17\n\x0f\x66used_token_ids\x18\x04 \x03(\r\"D\n\x0f\x44rafterProposal\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05probs\x18\x03 \x03(\x02\"<\n\x0b\x44rafterList\x12-\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x1b.cosine.common.v1.ModelInfo2\xb0\x01\n\x06\x46usion\x12X\n\tSpeculate\x12\".cosine.fusion.v1.SpeculateRequest\x1a#.cosine.fusion.v1.SpeculateResponse(\x01\x30\x01\x12L\n\x0cListDrafters\x12\x1d.cosine.common.v1.InfoRequest\x1a\x1d.cosine.fusion.v1.DrafterListb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63osine/fusion/v1/fusion.proto\x12\x10\x63osine.fusion.v1\x1a\x1d\x63osine/common/v1/common.proto\"\x93\x01\n\rSpeculateOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x10\n\x08\x64rafters\x18\x03 \x03(\t\x12,\n\x06\x66usion\x18\x04 \x01(\x0e\x32\x1c.cosine.common.v1.FusionMode\x12\x14\n\x0cscore_prompt\x18\x05 \x01(\x08\"\xf9\x01\n\x0eSpeculateRound\x12\x1b\n\x13\x63ommitted_token_ids\x18\x01 \x03(\r\x12\r\n\x05\x64\x65pth\x18\x02 \x01(\r\x12I\n\rtrace_context\x18\x03 \x03(\x0b\x32\x32.cosine.fusion.v1.SpeculateRound.TraceContextEntry\x12\x10\n\x08\x64rafters\x18\x04 \x03(\t\x12\x0e\n\x06\x62udget\x18\x05 \x01(\r\x12\x19\n\x11\x63ontext_token_ids\x18\x06 \x03(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"~\n\x10SpeculateRequest\x12/\n\x04open\x18\x01 \x01(\x0b\x32\x1f.cosine.fusion.v1.SpeculateOpenH\x00\x12\x31\n\x05round\x18\x02 \x01(\x0b\x32 .cosine.fusion.v1.SpeculateRoundH\x00\x42\x06\n\x04kind\"\xd1\x01\n\x11SpeculateResponse\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.cosine.common.v1.DraftTree\x12\x10\n\x08\x64raft_ms\x18\x02 \x01(\x01\x12\x34\n\tproposals\x18\x03 \x03(\x0b\x32!.cosine.fusion.v1.DrafterProposal\x12\x17\n\x0f\x66used_token_ids\x18\x04 \x03(\r\x12\x30\n\x0bprompt_fits\x18\x05 \x03(\x0b\x32\x1b.cosine.common.v1.PromptFit\"D\n\x0f\x44rafterProposal\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\r\n\x05probs\x18\x03 \x03(\x02\"<\n\x0b\x44rafterList\x12-\n\x08\x64rafters\x18\x01 \x03(\x0b\x32\x1b.cosine.common.v1.ModelInfo2\xb0\x01\n\x06\x46usion\x12X\n\tSpeculate\x12\".cosine.fusion.v1.SpeculateRequest\x1a#.cosine.fusion.v1.SpeculateResponse(\x01\x30\x01\x12L\n\x0cListDrafters\x12\x1d.cosine.common.v1.InfoRequest\x1a\x1d.cosine.fusion.v1.DrafterListb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,20 +34,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SPECULATEROUND_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_SPECULATEROUND_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_SPECULATEOPEN']._serialized_start=82
-  _globals['_SPECULATEOPEN']._serialized_end=207
-  _globals['_SPECULATEROUND']._serialized_start=210
-  _globals['_SPECULATEROUND']._serialized_end=459
-  _globals['_SPECULATEROUND_TRACECONTEXTENTRY']._serialized_start=408
-  _globals['_SPECULATEROUND_TRACECONTEXTENTRY']._serialized_end=459
-  _globals['_SPECULATEREQUEST']._serialized_start=461
-  _globals['_SPECULATEREQUEST']._serialized_end=587
-  _globals['_SPECULATERESPONSE']._serialized_start=590
-  _globals['_SPECULATERESPONSE']._serialized_end=749
-  _globals['_DRAFTERPROPOSAL']._serialized_start=751
-  _globals['_DRAFTERPROPOSAL']._serialized_end=819
-  _globals['_DRAFTERLIST']._serialized_start=821
-  _globals['_DRAFTERLIST']._serialized_end=881
-  _globals['_FUSION']._serialized_start=884
-  _globals['_FUSION']._serialized_end=1060
+  _globals['_SPECULATEOPEN']._serialized_start=83
+  _globals['_SPECULATEOPEN']._serialized_end=230
+  _globals['_SPECULATEROUND']._serialized_start=233
+  _globals['_SPECULATEROUND']._serialized_end=482
+  _globals['_SPECULATEROUND_TRACECONTEXTENTRY']._serialized_start=431
+  _globals['_SPECULATEROUND_TRACECONTEXTENTRY']._serialized_end=482
+  _globals['_SPECULATEREQUEST']._serialized_start=484
+  _globals['_SPECULATEREQUEST']._serialized_end=610
+  _globals['_SPECULATERESPONSE']._serialized_start=613
+  _globals['_SPECULATERESPONSE']._serialized_end=822
+  _globals['_DRAFTERPROPOSAL']._serialized_start=824
+  _globals['_DRAFTERPROPOSAL']._serialized_end=892
+  _globals['_DRAFTERLIST']._serialized_start=894
+  _globals['_DRAFTERLIST']._serialized_end=954
+  _globals['_FUSION']._serialized_start=957
+  _globals['_FUSION']._serialized_end=1133
 # @@protoc_insertion_point(module_scope)

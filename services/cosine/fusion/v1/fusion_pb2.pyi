@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SpeculateOpen(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "drafters", "fusion")
+    __slots__ = ("request_id", "prompt_token_ids", "drafters", "fusion", "score_prompt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
     FUSION_FIELD_NUMBER: _ClassVar[int]
+    SCORE_PROMPT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     drafters: _containers.RepeatedScalarFieldContainer[str]
     fusion: _common_pb2.FusionMode
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., drafters: _Optional[_Iterable[str]] = ..., fusion: _Optional[_Union[_common_pb2.FusionMode, str]] = ...) -> None: ...
+    score_prompt: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., drafters: _Optional[_Iterable[str]] = ..., fusion: _Optional[_Union[_common_pb2.FusionMode, str]] = ..., score_prompt: _Optional[bool] = ...) -> None: ...
 
 class SpeculateRound(_message.Message):
     __slots__ = ("committed_token_ids", "depth", "trace_context", "drafters", "budget", "context_token_ids")
@@ -51,16 +53,18 @@ class SpeculateRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[SpeculateOpen, _Mapping]] = ..., round: _Optional[_Union[SpeculateRound, _Mapping]] = ...) -> None: ...
 
 class SpeculateResponse(_message.Message):
-    __slots__ = ("tree", "draft_ms", "proposals", "fused_token_ids")
+    __slots__ = ("tree", "draft_ms", "proposals", "fused_token_ids", "prompt_fits")
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_MS_FIELD_NUMBER: _ClassVar[int]
     PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     FUSED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FITS_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
     draft_ms: float
     proposals: _containers.RepeatedCompositeFieldContainer[DrafterProposal]
     fused_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., proposals: _Optional[_Iterable[_Union[DrafterProposal, _Mapping]]] = ..., fused_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    prompt_fits: _containers.RepeatedCompositeFieldContainer[_common_pb2.PromptFit]
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., draft_ms: _Optional[float] = ..., proposals: _Optional[_Iterable[_Union[DrafterProposal, _Mapping]]] = ..., fused_token_ids: _Optional[_Iterable[int]] = ..., prompt_fits: _Optional[_Iterable[_Union[_common_pb2.PromptFit, _Mapping]]] = ...) -> None: ...
 
 class DrafterProposal(_message.Message):
     __slots__ = ("drafter", "token_ids", "probs")
