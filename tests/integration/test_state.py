@@ -26,6 +26,20 @@ async def test_commit_is_fenced_by_step(store):
     assert state.prompt_token_ids == [1, 2, 3]
 
 
+async def test_policy_state_rides_on_the_commit(store):
+    assert await store.create("p1", [1], {}, {})
+    step = await store.commit("p1", 0, [2], 0, 0, policy={"routing": {"scores": [0.5]}})
+    assert (await store.load("p1")).policy == {"routing": {"scores": [0.5]}}
+    step = await store.commit("p1", step, [3], 0, 0)  # a commit without policy keeps the last one
+    assert (await store.load("p1")).policy == {"routing": {"scores": [0.5]}}
+    with pytest.raises(StaleCommit):
+        await store.commit("p1", 0, [9], 0, 0, policy={"routing": "stale"})  # fenced off: nothing written
+    state = await store.load("p1")
+    assert state.policy == {"routing": {"scores": [0.5]}} and state.token_ids == [2, 3]
+    assert await store.create("p2", [1], {}, {})
+    assert (await store.load("p2")).policy is None
+
+
 async def test_every_key_has_a_ttl(store):
     await store.create("s2", [1], {}, {})
     await store.commit("s2", 0, [7], 0, 0)

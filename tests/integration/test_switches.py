@@ -246,3 +246,26 @@ async def test_fusion_answers_a_scored_open_with_every_drafters_prompt_fit(servi
             replies[scored] = {p.drafter: list(p.token_ids) for p in reply.proposals}
             call.cancel()
         assert replies[True] == replies[False]
+
+
+async def test_what_routing_and_adaptive_depth_learnt_is_in_redis(services, redis_server):
+    """Each commit carries the request's router scores (prior included) and acceptance estimate:
+    a replica taking over restores them (`ExpertiseRouter.from_dict`)."""
+    import redis.asyncio as aioredis
+
+    from cosine.common.state import RequestStore
+    from cosine.router.routing import ExpertiseRouter
+
+    _, _, final = await generate(services.router, request_id="learnt", prompt=b"a b c a b c a b", max_new_tokens=24)
+    client = aioredis.from_url(redis_server)
+    try:
+        state = await RequestStore(client).load("learnt")
+    finally:
+        await client.aclose()
+    assert state.status == "finished" and state.policy is not None
+    router = ExpertiseRouter.from_dict(state.policy["routing"])
+    assert sorted(router.drafters) == ["ngram", "tiny"]
+    assert all(ev.prior is not None for ev in router.evidence.values())  # both scored the prompt
+    assert 0 < router.rounds <= final.stats.rounds
+    assert sum(ev.tries for ev in router.evidence.values()) >= router.rounds
+    assert state.policy["speculation"]["trials"] > 0

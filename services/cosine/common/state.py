@@ -2,12 +2,15 @@
 
 Keys share the hash tag `{<request_id>}` so they live in one cluster slot:
 
-    cosine:{rid}:req      hash: prompt, sampling, params, step, counters, status
+    cosine:{rid}:req      hash: prompt, sampling, params, step, counters, status, policy
     cosine:{rid}:tokens   list: committed output token ids, in order
 
 Every write refreshes the TTL of both keys. `commit` is fenced by `step`: a
 commit for a step other than the current one is rejected, so a stale or
 repeated commit (a retried round, a replica that lost ownership) changes nothing.
+A commit may carry the request's policy state (expertise routing's scores, the
+acceptance estimate adaptive depth works from) as JSON, written in the same
+atomic step, so a replica taking over continues from what the request learnt.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ redis.call('HINCRBY', KEYS[1], 'step', 1)
 redis.call('HINCRBY', KEYS[1], 'rounds', 1)
 redis.call('HINCRBY', KEYS[1], 'drafted', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'accepted', ARGV[4])
+if ARGV[6 + n] then redis.call('HSET', KEYS[1], 'policy', ARGV[6 + n]) end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 if n > 0 or redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
 return 1
@@ -64,6 +68,7 @@ class RequestState:
     accepted: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
+    policy: dict | None = None  # the last commit's policy state, when it carried one
 
 
 class StaleCommit(Exception):
@@ -100,12 +105,14 @@ class RequestStore:
             args += [name, value]
         return await self._create(keys=[key, tokens_key(request_id)], args=args) == 1
 
-    async def commit(self, request_id: str, step: int, token_ids: list[int], drafted: int, accepted: int) -> int:
-        """Append the tokens of round `step`; returns the next step. Raises StaleCommit if fenced off."""
-        result = await self._commit(
-            keys=[req_key(request_id), tokens_key(request_id)],
-            args=[step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids],
-        )
+    async def commit(self, request_id: str, step: int, token_ids: list[int], drafted: int, accepted: int,
+                     policy: dict | None = None) -> int:
+        """Append the tokens of round `step` (and replace the policy state, when given); returns the next step.
+        Raises StaleCommit if fenced off."""
+        args = [step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids]
+        if policy is not None:
+            args.append(json.dumps(policy, separators=(",", ":")))
+        result = await self._commit(keys=[req_key(request_id), tokens_key(request_id)], args=args)
         if result != 1:
             raise StaleCommit(f"request {request_id}: commit for step {step} rejected ({'missing' if result == -1 else 'stale'})")
         return step + 1
@@ -138,4 +145,5 @@ class RequestStore:
             accepted=int(f["accepted"]),
             token_ids=[int(t) for t in tokens],
             finish_reason=f.get("finish_reason", ""),
+            policy=json.loads(f["policy"]) if "policy" in f else None,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -111,6 +111,15 @@ class RequestPlan:
     @property
     def speculate(self) -> bool:
         return bool(self.pool)
+
+    def state(self) -> dict | None:
+        """What the request has learnt, JSON-safe, for Redis (None: nothing to keep)."""
+        out = {}
+        if self.router is not None:
+            out["routing"] = self.router.to_dict()
+        if self.depth is not None:
+            out["speculation"] = asdict(self.depth.speculation)
+        return out or None
 
 
 def tree_depth(parents) -> int:
@@ -325,7 +334,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 accepted = min(verdict.accepted_draft, len(cut.token_ids))
                 drafted = len(tree.token_ids)
                 with self.tracing.span("scheduler.commit", {"cosine.committed_tokens": len(cut.token_ids)}):
-                    step = await self.store.commit(rid, step, cut.token_ids, drafted, accepted)
+                    step = await self.store.commit(rid, step, cut.token_ids, drafted, accepted, plan.state())
                 t3 = time.perf_counter()
                 if round_span.is_recording():
                     round_span.set_attributes({"cosine.drafters": len(drafters), "cosine.tree_size": drafted,
