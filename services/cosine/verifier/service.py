@@ -38,6 +38,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.name = name
         self.tokenizer_hash = tokenizer_hash
         self.max_slots = max_slots
+        # streams holding or opening a KV cache: counted on the event loop before the open is awaited,
+        # so two concurrent opens cannot both pass the check for the last slot
+        self.slots_taken = 0
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -50,6 +53,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         request_id = None
+        holds_slot = False
         sampling = Sampling()
         try:
             async for message in request_iterator:
@@ -64,13 +68,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         raise invalid(f"{len(committed)} tokens exceed the target's context of {self.engine.max_context}")
                     if any(t >= self.engine.vocab_size for t in committed):
                         raise invalid(f"token ids must be below the vocabulary size {self.engine.vocab_size}")
-                    if len(self.engine) >= self.max_slots:
-                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier holds {self.max_slots} requests already")
                     sampling = sampling_from_proto(message.open.sampling)
                     try:
                         sampling.check()
                     except ValueError as exc:
                         raise invalid(str(exc)) from exc
+                    if self.slots_taken >= self.max_slots:
+                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier holds {self.max_slots} requests already")
+                    self.slots_taken += 1  # taken before the await: the check and the taking are one step
+                    holds_slot = True
                     request_id = message.open.request_id
                     await self.worker.run(self.engine.open, request_id, committed, message.open.prompt_len)
                 elif kind == "round":
@@ -95,4 +101,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     raise invalid("Verify message has neither open nor round")
         finally:
             if request_id is not None:
+                # the worker runs calls in order, so an open queued after this release finds the slot free
                 self.worker.submit(self.engine.release, request_id)
+            if holds_slot:
+                self.slots_taken -= 1
