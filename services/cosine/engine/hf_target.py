@@ -62,6 +62,10 @@ class HFTarget:
     def committed(self, request_id: str) -> list[int]:
         return list(self._slots[request_id].tokens)
 
+    def context_len(self, request_id: str) -> int:
+        """Committed tokens of a request (what its next verification attends over)."""
+        return len(self._slots[request_id].tokens)
+
     @torch.inference_mode()
     def verify(self, request_id: str, tree: DraftTree, sampling: Sampling) -> VerifyOutcome:
         """One forward over the tree's main chain; returns what the target accepts plus its next token."""

@@ -64,6 +64,16 @@ class NativeTarget:
     def committed(self, request_id: str) -> list[int]:
         return list(self._reqs[request_id].tokens)
 
+    def context_len(self, request_id: str) -> int:
+        """Committed tokens of a request (what its next verification attends over)."""
+        return len(self._reqs[request_id].tokens)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV memory of one position of one request: keys and values, every layer."""
+        k = self.cache.k  # [layers, slots, kv_heads, max_len, head_dim]
+        return 2 * k.shape[0] * k.shape[2] * k.shape[4] * k.element_size()
+
     def slot_of(self, request_id: str) -> int:
         return self._reqs[request_id].slot
 

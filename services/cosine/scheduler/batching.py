@@ -31,6 +31,7 @@ ages requests so none starves. Subject to
 * Σ_{r∈B} (1 + draft_tokens_r) ≤ ``max_tokens`` (verified positions per step:
   the tree plus the position after the committed prefix);
 * Σ kv_bytes_r ≤ ``max_memory``;
+* ``len(B) ≤ max_requests`` (the verifier's ``max_batch``);
 * ``T_v(B) ≤ max_step_s`` (the latency bound of one verification step, i.e. on
   time per output token of everyone in the pool);
 * requests that have waited ``≥ deadline_s`` are taken first, oldest first,
@@ -154,6 +155,7 @@ class BatchLimits:
 
     max_tokens: int = 512
     max_memory: int | None = None
+    max_requests: int | None = None
     max_step_s: float | None = None
     deadline_s: float | None = None
     w_tokens: float = 1.0
@@ -163,6 +165,8 @@ class BatchLimits:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_requests is not None and self.max_requests < 1:
+            raise ValueError(f"max_requests must be at least 1 or None, got {self.max_requests}")
         for name in ("max_memory", "max_step_s", "deadline_s"):
             value = getattr(self, name)
             if value is not None and value < 0:
@@ -202,6 +206,8 @@ def choose_batch(pool: Sequence[ReadyRequest], model: VerifyTimeModel, limits: B
 
     def fits(r: ReadyRequest) -> float | None:
         """Step time with r added, or None if r breaks a cap."""
+        if limits.max_requests is not None and len(batch) >= limits.max_requests:
+            return None
         if tokens + r.verify_tokens > limits.max_tokens:
             return None
         if limits.max_memory is not None and memory + r.kv_bytes > limits.max_memory:

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from prometheus_client import Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from pydantic import Field
 
 from cosine.common.config import ModelSettings
 from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
-from cosine.verifier.batcher import VerifyBatcher
+from cosine.scheduler.batching import BatchLimits
+from cosine.verifier.batcher import BatchStep, VerifyBatcher
 from cosine.verifier.service import VerifierServicer
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -24,7 +25,19 @@ class VerifierSettings(ModelSettings):
     backend: Literal["auto", "native", "transformers"] = Field(
         "auto", description="auto: the native engine for Llama-family checkpoints, transformers otherwise")
     max_slots: int = Field(16, ge=1, description="most requests holding a KV cache at once (native: preallocated slots)")
-    max_batch: int = Field(8, ge=1, description="most requests' rounds verified together in one forward pass")
+    max_batch: int = Field(16, ge=1, description="most requests' rounds verified together in one forward pass (both policies)")
+    batch_policy: Literal["fifo", "objective"] = Field(
+        "fifo", description="which waiting rounds form the next batch: fifo (all of them, oldest first, up to max_batch; "
+        "no other cap) or objective (most expected committed tokens plus waiting time minus predicted step time, under "
+        "max_batch, max_batch_tokens, max_batch_kv_mb and max_step_ms; a step-time model is fitted online)")
+    max_batch_tokens: int = Field(256, ge=2, description="objective: most positions verified in one step (Σ 1 + tree nodes); "
+                                  "larger trees are cut, longest first, other rounds wait for the next step")
+    max_step_ms: float = Field(0.0, ge=0, description="objective: latency bound of one step; rounds whose predicted step time "
+                               "would pass it wait (a step always takes one round; 0: no bound)")
+    deadline_ms: float = Field(500.0, ge=0, description="objective: a round waiting this long is taken first, oldest first, "
+                               "so none starves (0: no deadline)")
+    max_batch_kv_mb: float = Field(0.0, ge=0, description="objective: most KV memory (MiB) a step attends over, Σ over its "
+                                   "rounds of (context + tree) positions (0: no cap; native engine only)")
     max_context: int = Field(0, ge=0, description="longest sequence per request (0: the engine's default, at most 4096 for the native engine)")
 
 
@@ -50,9 +63,26 @@ async def serve(settings: VerifierSettings) -> GrpcService:
     service = GrpcService("verifier", settings, register, on_stop)
     m = service.metrics
     worker = ModelWorker("verifier", m.worker_busy_seconds.labels("verifier"), m.worker_queue_depth.labels("verifier"))
-    batch_size = Histogram("cosine_verifier_batch_size", "requests verified together in one forward pass",
+    batch_size = Histogram("cosine_verifier_batch_size", "requests verified together in one forward pass (the chosen batch)",
                            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=m.registry)
-    batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=lambda n, seconds: batch_size.observe(n))
+    batch_tokens = Histogram("cosine_verifier_batch_tokens", "positions verified in one step (Σ 1 + tree nodes kept)",
+                             buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024), registry=m.registry)
+    batch_deferred = Histogram("cosine_verifier_batch_deferred", "rounds left waiting by a step (chosen for a later one)",
+                               buckets=(0, 1, 2, 4, 8, 16, 32), registry=m.registry)
+    trees_trimmed = Counter("cosine_verifier_trees_trimmed", "draft trees cut to fit the token cap of a step",
+                            registry=m.registry)
+
+    def on_batch(step: BatchStep) -> None:
+        batch_size.observe(step.size)
+        batch_tokens.observe(step.verified_tokens)
+        batch_deferred.observe(step.deferred)
+        trees_trimmed.inc(step.trimmed)
+
+    limits = BatchLimits(max_tokens=settings.max_batch_tokens,
+                         max_memory=int(settings.max_batch_kv_mb * 2**20) if settings.max_batch_kv_mb else None,
+                         max_step_s=settings.max_step_ms / 1000 if settings.max_step_ms else None,
+                         deadline_s=settings.deadline_ms / 1000 if settings.deadline_ms else None)
+    batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=on_batch, policy=settings.batch_policy, limits=limits)
     servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing,
                                 batcher)
     slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)

@@ -1,21 +1,44 @@
-"""Continuous batching of verification rounds across requests.
+"""Continuous batching of verification rounds across requests (DESIGN §2, batch scheduling).
 
 Each Verify stream hands its round to `VerifyBatcher.verify` and awaits the
-outcome. One loop takes every round that is waiting (up to `max_batch`) and
-verifies them together in one forward pass of the engine (`verify_batch`;
-engines without it verify one by one), so requests arriving while a batch runs
-form the next batch instead of queueing one forward each.
+outcome. One loop verifies waiting rounds together in one forward pass of the
+engine (`verify_batch`; engines without it verify one by one), so requests
+arriving while a batch runs form the next batch instead of queueing one
+forward each. Which waiting rounds go into a batch is the batch policy:
+
+* ``fifo``: every waiting round, oldest first, up to ``max_batch``.
+* ``objective``: `cosine.scheduler.batching.choose_batch` over the waiting
+  rounds — expected committed tokens plus waiting time minus the predicted
+  step time, under a cap on verified positions, an optional KV-memory cap, an
+  optional latency bound and ``max_batch``; rounds waiting past the deadline go
+  first. The step time comes from a `VerifyTimeModel` fitted online from this
+  batcher's own steps. A tree larger than the token cap could never be
+  verified whole, so it counts as cut to the cap. Rounds the objective left
+  out only because their tree broke the token cap then join while each still
+  gets one position (and the other caps hold), and the batch's trees are
+  shortened, longest first, to the cap (`shorten_longest_first`): a round's
+  first position commits a token for sure, a tree's last draft token is its
+  least likely. Rounds not chosen stay queued and age. A tree is cut to its
+  first n nodes (topological order, so a tree again): verifying fewer draft
+  tokens is still exact, it can only accept less.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Literal
 
 from cosine.common.streams import ModelWorker
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
+from cosine.scheduler.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch
+from cosine.scheduler.speculation import shorten_longest_first
+
+BatchPolicy = Literal["fifo", "objective"]
+_UNKNOWN_PROB = 0.5  # a node without a drafter probability counts as a coin flip
 
 
 class Released(RuntimeError):
@@ -28,14 +51,69 @@ class _Pending:
     tree: DraftTree
     sampling: Sampling
     future: asyncio.Future
+    queued_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class BatchStep:
+    """What one verification step did (reported to ``on_batch``)."""
+
+    size: int  # rounds verified together
+    seconds: float  # the step, model thread included
+    verified_tokens: int  # Σ (1 + draft nodes kept): positions through the model
+    deferred: int  # rounds left waiting for a later step
+    trimmed: int  # trees cut to fit the token cap
+    context_len: int  # the longest committed context in the batch
+    draft_len: int  # the largest (kept) tree in the batch
+
+
+def cut_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's first n nodes: parents come before children, so a prefix is a tree again."""
+    if n >= len(tree):
+        return tree
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n])
+
+
+def expected_committed(tree: DraftTree, n: int | None = None, chain_only: bool = False) -> float:
+    """Tokens a round is expected to commit: 1 (the target's own) + expected accepted drafts.
+
+    With the drafters' probabilities read as the chance that the target agrees
+    with each node given its parent, a node is accepted with the product of the
+    probabilities on its path; siblings exclude each other, so the expected
+    accepted length is the sum of that over the (first n) nodes. ``chain_only``:
+    the main chain alone (engines that verify only the chain).
+    """
+    n = len(tree) if n is None else min(n, len(tree))
+    keep = set(tree.main_chain()) if chain_only else None
+    path_prob: list[float] = []
+    total = 0.0
+    for i in range(n):
+        p = tree.probs[i] if i < len(tree.probs) else _UNKNOWN_PROB
+        p = min(1.0, max(0.0, float(p)))
+        parent = tree.parents[i]
+        path_prob.append(p * (path_prob[parent] if parent >= 0 else 1.0))
+        if keep is None or i in keep:
+            total += path_prob[i]
+    return 1.0 + total
 
 
 class VerifyBatcher:
-    def __init__(self, engine, worker: ModelWorker, max_batch: int = 8, on_batch=None):
+    def __init__(self, engine, worker: ModelWorker, max_batch: int = 16,
+                 on_batch: Callable[[BatchStep], None] | None = None, policy: BatchPolicy = "fifo",
+                 limits: BatchLimits | None = None, time_model: VerifyTimeModel | None = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if policy not in ("fifo", "objective"):
+            raise ValueError(f"batch policy must be 'fifo' or 'objective', got {policy!r}")
         self.engine = engine
         self.worker = worker
         self.max_batch = max_batch
-        self._on_batch = on_batch  # called with (batch size, seconds) after each batch
+        self.policy = policy
+        limits = limits or BatchLimits()
+        self.limits = replace(limits, max_requests=min(max_batch, limits.max_requests or max_batch))
+        self.time_model = time_model or VerifyTimeModel()
+        self.clock = clock
+        self._on_batch = on_batch  # called with a BatchStep after each batch
+        self._chain_only = not hasattr(engine, "verify_batch")  # the transformers backend verifies the main chain
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -45,39 +123,106 @@ class VerifyBatcher:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Pending(request_id, tree, sampling, future))
+        self._queue.append(_Pending(request_id, tree, sampling, future, self.clock()))
         self._wakeup.set()
         return await future
 
-    def _verify_present(self, batch: list[_Pending]) -> dict[str, object]:
+    # -- the choice (event-loop thread; no model calls) ----------------------------------
+
+    def _context_len(self, request_id: str) -> int:
+        try:
+            if hasattr(self.engine, "context_len"):
+                return int(self.engine.context_len(request_id))
+            return len(self.engine.committed(request_id))
+        except KeyError:  # released: its round is answered Released when the batch runs
+            return 0
+
+    def choose(self, queue: Sequence[_Pending]) -> tuple[list[_Pending], dict[int, int]]:
+        """The next batch from ``queue`` (live rounds, oldest first): the rounds, in queue order, and
+        ``{index in the batch: draft nodes to keep}`` for the trees to cut."""
+        if self.policy == "fifo":
+            return list(queue[: self.max_batch]), {}
+        now = self.clock()
+        limits = self.limits
+        cap = limits.max_tokens
+        per_token = int(getattr(self.engine, "kv_bytes_per_token", 0) or 0)
+        pool: list[ReadyRequest] = []
+        for i, p in enumerate(queue):
+            n = min(len(p.tree), cap - 1)  # a tree beyond the cap is never verified whole
+            L = self._context_len(p.request_id)
+            pool.append(ReadyRequest(f"{i:08d}", max(0.0, now - p.queued_at), L, n, per_token * (L + 1 + n),
+                                     expected_committed(p.tree, n, self._chain_only)))
+        choice = choose_batch(pool, self.time_model, limits)
+        chosen = [int(key) for key in choice.request_ids]
+        drafts = {i: choice.trim.get(pool[i].request_id, pool[i].draft_tokens) for i in chosen}
+        # Rounds left out only because their whole tree broke the token cap join, oldest first, while every
+        # round keeps at least its one position and the other caps hold; then the longest trees are
+        # shortened first down to the cap (DESIGN §2): one more round's bonus token is worth more than the
+        # least likely draft tokens of the others.
+        tokens = sum(1 + d for d in drafts.values())
+        memory = sum(pool[i].kv_bytes for i in chosen)
+        for r in pool:
+            i = int(r.request_id)
+            if i in drafts or tokens + r.verify_tokens <= cap:
+                continue  # chosen, or left out by the objective or another cap, not by the token cap
+            if len(drafts) >= (limits.max_requests or len(pool)) or len(drafts) + 1 > cap:
+                break
+            if limits.max_memory is not None and memory + r.kv_bytes > limits.max_memory:
+                continue
+            members = [pool[j] for j in drafts] + [r]  # (whole trees: a bound the shortening can only help)
+            if limits.max_step_s is not None and self.time_model.predict(
+                    len(members), max(m.context_len for m in members), max(m.draft_tokens for m in members)) > limits.max_step_s:
+                continue
+            drafts[i] = r.draft_tokens
+            tokens += r.verify_tokens
+            memory += r.kv_bytes
+        if sum(1 + d for d in drafts.values()) > cap:
+            drafts = shorten_longest_first(drafts, max(0, cap - len(drafts)))
+        order = sorted(drafts)
+        batch = [queue[i] for i in order]
+        trims = {j: drafts[i] for j, i in enumerate(order) if drafts[i] < len(queue[i].tree)}
+        return batch, trims
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def _verify_present(self, batch: list[tuple[str, DraftTree, Sampling]]) -> dict[str, object]:
         """On the model thread: verify the rounds whose request still holds a cache."""
-        live = [p for p in batch if p.request_id in self.engine]
-        items = [(p.request_id, p.tree, p.sampling) for p in live]
+        items = [item for item in batch if item[0] in self.engine]
         if hasattr(self.engine, "verify_batch"):
             outcomes = self.engine.verify_batch(items) if items else []
         else:
             outcomes = [self.engine.verify(*item) for item in items]
-        return {p.request_id: o for p, o in zip(live, outcomes)}
+        return {item[0]: o for item, o in zip(items, outcomes)}
 
     async def _run(self) -> None:
         while True:
             await self._wakeup.wait()
             self._wakeup.clear()
-            while self._queue:
-                batch = [p for p in self._queue[: self.max_batch] if not p.future.done()]
-                del self._queue[: self.max_batch]
-                if not batch:
-                    continue
+            while True:
+                self._queue = [p for p in self._queue if not p.future.done()]
+                if not self._queue:
+                    break
+                batch, trims = self.choose(self._queue)
+                taken = {id(p) for p in batch}
+                self._queue = [p for p in self._queue if id(p) not in taken]
+                trees = [cut_tree(p.tree, trims[j]) if j in trims else p.tree for j, p in enumerate(batch)]
+                items = [(p.request_id, tree, p.sampling) for p, tree in zip(batch, trees)]
+                context_len = max(self._context_len(p.request_id) for p in batch)
+                draft_len = max(len(t) for t in trees)
                 started = time.perf_counter()
                 try:
-                    outcomes = await self.worker.run(self._verify_present, batch)
+                    outcomes = await self.worker.run(self._verify_present, items)
                 except Exception as exc:  # noqa: BLE001 - every round of the batch learns of it
                     for p in batch:
                         if not p.future.done():
                             p.future.set_exception(exc)
                     continue
+                seconds = time.perf_counter() - started
+                if outcomes:
+                    self.time_model.add(Measurement(len(outcomes), context_len, draft_len, seconds))
                 if self._on_batch is not None:
-                    self._on_batch(len(batch), time.perf_counter() - started)
+                    self._on_batch(BatchStep(len(batch), seconds, sum(1 + len(t) for t in trees), len(self._queue),
+                                             len(trims), context_len, draft_len))
                 for p in batch:
                     if p.future.done():
                         continue

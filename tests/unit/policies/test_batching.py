@@ -134,3 +134,11 @@ def test_caps_are_never_violated(pool, max_tokens, max_memory, max_step_s, deadl
     # the verifier never idles while some request fits the memory cap
     if any(max_memory is None or r.kv_bytes <= max_memory for r in requests):
         assert chosen
+
+
+def test_max_requests_caps_the_batch_size():
+    pool = [req(f"r{i}", wait=float(i)) for i in range(5)]
+    choice = choose_batch(pool, MODEL, BatchLimits(max_requests=2))
+    assert choice.request_ids == ["r4", "r3"]
+    with pytest.raises(ValueError):
+        BatchLimits(max_requests=0)
