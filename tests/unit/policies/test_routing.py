@@ -118,15 +118,16 @@ def test_old_evidence_decays():
 
 def test_an_under_performing_request_explores_the_least_tried_drafter():
     r = ExpertiseRouter(["a", "b", "c", "d"], k=1, threshold=2.0)
-    for name, rate in [("a", 0.6), ("b", 0.4), ("c", 0.3), ("d", 0.1)]:
+    for name, rate in [("a", 0.5), ("b", 0.4), ("c", 0.4), ("d", 0.4)]:
         r.prior(name, fit(rate))
     assert r.select() == ["a"]  # no round yet: nothing to explore on
-    # b and c have been tried (say earlier explorations), d never
+    # b and c have been tried (say earlier explorations) and did badly; d never
     r.observe("b", [1], [2, 3], [0.5])
     r.observe("c", [1], [2, 3], [0.5])
-    r.observe("a", [2, 9, 9], [2, 3], [0.9] * 3)
+    r.observe("a", [2, 9, 9], [2, 3], [0.5] * 3)
     r.record_round(1)
     assert r.exploring()
+    assert r.upper_bound("d") > r.upper_bound("b") and r.upper_bound("d") > r.scores()["a"]
     assert r.select() == ["a", "d"]
     # once the request does well it exploits only
     for _ in range(4):
@@ -135,11 +136,30 @@ def test_an_under_performing_request_explores_the_least_tried_drafter():
     assert r.select() == ["a"]
 
 
+def test_exploration_skips_drafters_that_cannot_beat_the_one_in_use():
+    r = ExpertiseRouter(["good", "weak", "hopeless"], k=1, threshold=3.0)
+    r.prior("good", fit(0.5))
+    r.prior("weak", fit(0.35))
+    r.prior("hopeless", fit(0.0))
+    for _ in range(6):  # good agrees on half its tokens, which is still below the accepted-length threshold
+        r.observe("good", [1, 2, 3, 4], [1, 2, 9, 4, 5], [0.5] * 4)
+        r.record_round(2)
+    assert r.exploring()
+    assert r.select() == ["good", "weak"]  # plausible: its bound is above good's score
+    for _ in range(6):
+        r.observe("weak", [7, 7], [1, 2, 3], [0.9, 0.9])  # tried, and wrong every time
+        r.observe("good", [1, 2, 3, 4], [1, 2, 9, 4, 5], [0.5] * 4)
+        r.record_round(2)
+    assert r.exploring()
+    assert r.upper_bound("hopeless") < r.scores()["good"] and r.upper_bound("weak") < r.scores()["good"]
+    assert r.select() == ["good"]  # nothing left that could beat it: no round-robin over weak drafters
+
+
 def test_exploration_with_equal_tries_prefers_the_better_score():
     r = ExpertiseRouter(["a", "b", "c"], k=1, threshold=1.0)
-    r.prior("a", fit(0.6))
+    r.prior("a", fit(0.3))
     r.prior("b", fit(0.1))
-    r.prior("c", fit(0.3))
+    r.prior("c", fit(0.25))
     r.record_round(0)
     assert r.select() == ["a", "c"]
 
