@@ -39,7 +39,10 @@ in [0, 1] that estimates how useful that drafter is *for this request*:
   Evidence decays exponentially: each new observation multiplies the drafter's
   accumulated evidence (prior included) by ``decay`` before adding
   ``h · w`` with weight ``w`` = number of scored positions (at least 1, so a
-  drafter that proposed nothing is penalised). The score is the weighted mean.
+  drafter that proposed nothing is penalised). The score is the weighted mean,
+  with every prior scaled by `calibration` — what the drafters tried so far
+  earned online relative to their priors — so the prior ranks drafters while
+  the rounds set its scale.
 
 * **Explore/exploit** — `select()`: the top-``k`` drafters by score; when the
   request's recent accepted length (an EMA over rounds, `record_round`) falls
@@ -97,19 +100,20 @@ class DrafterEvidence:
     """What the router knows about one drafter for one request."""
 
     name: str
-    weighted_sum: float = 0.0  # Σ decayᵃᵍᵉ · h · w (prior included)
-    weight: float = 0.0  # Σ decayᵃᵍᵉ · w
+    online_sum: float = 0.0  # Σ decayᵃᵍᵉ · h · w over the rounds it drafted
+    online_weight: float = 0.0  # Σ decayᵃᵍᵉ · w
     tries: int = 0  # rounds this drafter drafted for the request
     prior: float | None = None  # PromptFit.value, when known
-    prior_weight: float = 0.0  # the weight the prior entered with
+    prior_weight: float = 0.0  # the prior's weight, decayed with every observation like old evidence
     prompt_logprob: float | None = None  # mean log-prob of the prompt (tie-breaker), when known
     last_confidence: float = 0.0
     last_agreement: float = 0.0
 
-    @property
-    def score(self) -> float:
-        """Decayed weighted mean of the evidence; 0 with no evidence at all."""
-        return self.weighted_sum / self.weight if self.weight > 0 else 0.0
+    def score(self, calibration: float = 1.0) -> float:
+        """Decayed weighted mean of the (calibrated) prior and the online evidence; 0 with none at all."""
+        prior = (self.prior or 0.0) * calibration
+        weight = self.prior_weight + self.online_weight
+        return (prior * self.prior_weight + self.online_sum) / weight if weight > 0 else 0.0
 
 
 def agreement(drafted: Sequence[int], accepted: Sequence[int], context: Sequence[int] | None = None) -> tuple[int, int]:
@@ -202,16 +206,31 @@ class ExpertiseRouter:
             raise ValueError(f"bad prompt fit {fit}")
         if fit.logprob_sum is not None and math.isnan(fit.logprob_sum):
             raise ValueError("prompt log-prob is NaN")
-        ev = self._get(name)
-        if ev.prior is not None:  # replace an earlier prior rather than count it twice
-            ev.weighted_sum -= ev.prior * ev.prior_weight
-            ev.weight -= ev.prior_weight
+        ev = self._get(name)  # a new prior replaces an earlier one
         ev.prior = fit.value
         ev.prior_weight = float(min(fit.positions, self.prior_weight))
         ev.prompt_logprob = fit.mean_logprob
-        ev.weighted_sum += ev.prior * ev.prior_weight
-        ev.weight += ev.prior_weight
-        return ev.score
+        return self.score(name)
+
+    def calibration(self) -> float:
+        """How much of their prompt score the drafters tried so far earn online (1 before any round).
+
+        Predicting a prompt is easier or harder than predicting the target's continuation of it
+        (a chat template is easy), and equally so for every drafter: the prior ranks drafters, its
+        scale is set by the rounds. Σ online evidence / Σ prior × online weight over drafters with
+        both, clipped to [0.1, 10]; every prior is scaled by it, so an untried drafter's prompt
+        score does not look better than a tried one's just because prompts were easy."""
+        num = den = 0.0
+        for ev in self.evidence.values():
+            if ev.prior is not None and ev.online_weight > 0:
+                num += ev.online_sum
+                den += ev.prior * ev.online_weight
+        if den <= 1e-9:
+            return 1.0
+        return min(10.0, max(0.1, num / den))
+
+    def score(self, name: str) -> float:
+        return self._get(name).score(self.calibration())
 
     def observe(
         self,
@@ -237,12 +256,12 @@ class ExpertiseRouter:
         a = matches / scored if scored else 0.0
         h = harmonic(c, a) if drafted else 0.0
         w = max(1, scored)
-        ev.weighted_sum = ev.weighted_sum * self.decay + h * w
-        ev.weight = ev.weight * self.decay + w
-        ev.prior_weight *= self.decay  # what is left of the prior in the sums
+        ev.online_sum = ev.online_sum * self.decay + h * w
+        ev.online_weight = ev.online_weight * self.decay + w
+        ev.prior_weight *= self.decay
         ev.tries += 1
         ev.last_confidence, ev.last_agreement = c, a
-        return ev.score
+        return self.score(name)
 
     def record_round(self, accepted_length: int) -> float:
         """The request's accepted draft tokens this round (bonus excluded); returns the EMA."""
@@ -268,15 +287,17 @@ class ExpertiseRouter:
         self.record_round(accepted_length)
 
     def scores(self) -> dict[str, float]:
-        return {n: ev.score for n, ev in self.evidence.items()}
+        cal = self.calibration()
+        return {n: ev.score(cal) for n, ev in self.evidence.items()}
 
     def ranking(self) -> list[str]:
         """All drafters, best score first (ties: the higher prompt log-prob, then the given order)."""
         order = {n: i for i, n in enumerate(self.evidence)}
+        scores = self.scores()
 
         def key(n):
             ev = self.evidence[n]
-            return -ev.score, -(ev.prompt_logprob if ev.prompt_logprob is not None else -math.inf), order[n]
+            return -scores[n], -(ev.prompt_logprob if ev.prompt_logprob is not None else -math.inf), order[n]
         return sorted(self.evidence, key=key)
 
     def exploring(self) -> bool:
@@ -285,9 +306,9 @@ class ExpertiseRouter:
 
     def upper_bound(self, name: str) -> float:
         """The drafter's score plus its exploration bonus (larger the less evidence it has)."""
-        total = sum(ev.weight for ev in self.evidence.values())
+        total = sum(ev.prior_weight + ev.online_weight for ev in self.evidence.values())
         ev = self._get(name)
-        return ev.score + self.explore * math.sqrt(math.log1p(total) / (1.0 + ev.weight))
+        return self.score(name) + self.explore * math.sqrt(math.log1p(total) / (1.0 + ev.prior_weight + ev.online_weight))
 
     def select(self) -> list[str]:
         """The drafters for the next round: requested ones, else top-k (+ one worth exploring when under-performing)."""
@@ -299,7 +320,7 @@ class ExpertiseRouter:
             rest = [n for n in ranking if n not in chosen]  # already best score first, then given order
             if rest:
                 pick = max(rest, key=lambda n: (self.upper_bound(n), -self.evidence[n].tries, -rest.index(n)))
-                if self.upper_bound(pick) > self.evidence[chosen[-1]].score:
+                if self.upper_bound(pick) > self.score(chosen[-1]):
                     chosen.append(pick)
         return chosen
 

@@ -100,7 +100,25 @@ def test_a_drafter_that_always_agrees_with_the_target_wins():
         r.record_round(4)
     assert r.select() == ["a"]
     assert r.ranking() == ["a", "c", "b"]
-    assert r.scores()["b"] < 0.2
+    assert r.scores()["b"] < 0.5 * r.scores()["a"]
+
+
+def test_priors_are_calibrated_by_what_tried_drafters_earn_online():
+    """Chat prompts are easy to predict (the template), so every prior is high; the specialist earns
+    less online than its prior promised. The untried drafters' priors shrink by the same factor,
+    so they do not overtake it just because they were never tried."""
+    r = ExpertiseRouter(["specialist", "other1", "other2"], k=1, threshold=0.0)
+    r.prior("specialist", fit(0.47, confidence=0.47))
+    r.prior("other1", fit(0.38, confidence=0.38))
+    r.prior("other2", fit(0.36, confidence=0.36))
+    assert r.calibration() == 1.0
+    for _ in range(6):  # it agrees on a quarter of its tokens: h ≈ 0.28, below the others' raw priors
+        r.observe("specialist", [1, 9, 9, 9], [1, 2, 3, 4, 5], [0.3] * 4, context=[1, 2, 3, 4])
+        r.record_round(1)
+    assert r.scores()["specialist"] < 0.36  # raw, the others would now look better
+    assert r.calibration() < 1.0
+    assert r.select() == ["specialist"]
+    assert r.ranking() == ["specialist", "other1", "other2"]
 
 
 def test_old_evidence_decays():
