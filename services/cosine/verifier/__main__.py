@@ -27,7 +27,7 @@ class VerifierSettings(ModelSettings):
     max_slots: int = Field(16, ge=1, description="most requests holding a KV cache at once (native: preallocated slots)")
     max_batch: int = Field(16, ge=1, description="most requests' rounds verified together in one forward pass (both policies)")
     batch_policy: Literal["fifo", "objective"] = Field(
-        "fifo", description="which waiting rounds form the next batch: fifo (all of them, oldest first, up to max_batch; "
+        "objective", description="which waiting rounds form the next batch: fifo (all of them, oldest first, up to max_batch; "
         "no other cap) or objective (most expected committed tokens plus waiting time minus predicted step time, under "
         "max_batch, max_batch_tokens, max_batch_kv_mb and max_step_ms; a step-time model is fitted online)")
     max_batch_tokens: int = Field(256, ge=2, description="objective: most positions verified in one step (Σ 1 + tree nodes); "

@@ -205,6 +205,7 @@ class VerifyBatcher:
                 batch, trims = self.choose(self._queue)
                 taken = {id(p) for p in batch}
                 self._queue = [p for p in self._queue if id(p) not in taken]
+                deferred = len(self._queue)  # waiting now, not what arrives during the step
                 trees = [cut_tree(p.tree, trims[j]) if j in trims else p.tree for j, p in enumerate(batch)]
                 items = [(p.request_id, tree, p.sampling) for p, tree in zip(batch, trees)]
                 context_len = max(self._context_len(p.request_id) for p in batch)
@@ -221,7 +222,7 @@ class VerifyBatcher:
                 if outcomes:
                     self.time_model.add(Measurement(len(outcomes), context_len, draft_len, seconds))
                 if self._on_batch is not None:
-                    self._on_batch(BatchStep(len(batch), seconds, sum(1 + len(t) for t in trees), len(self._queue),
+                    self._on_batch(BatchStep(len(batch), seconds, sum(1 + len(t) for t in trees), deferred,
                                              len(trims), context_len, draft_len))
                 for p in batch:
                     if p.future.done():
