@@ -130,36 +130,43 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         req.metadata = self.tracing.metadata()  # drafter streams opened later are children of this Speculate call
         return req
 
+    def _open_call(self, req: _Request, name: str, context) -> grpc.aio.StreamStreamCall:
+        call = self.drafters[name].Draft(timeout=context.time_remaining(), metadata=req.metadata)
+        req.calls[name] = call
+        return call
+
+    def _open_message(self, req: _Request, score_prompt: bool = False) -> drafter_pb2.DraftRequest:
+        return drafter_pb2.DraftRequest(open=drafter_pb2.DraftOpen(
+            request_id=req.request_id, prompt_token_ids=req.prompt, score_prompt=score_prompt))
+
     async def _call(self, req: _Request, name: str, context) -> grpc.aio.StreamStreamCall:
         call = req.calls.get(name)
         if call is None:
-            call = self.drafters[name].Draft(timeout=context.time_remaining(), metadata=req.metadata)
-            req.calls[name] = call
-            await call.write(drafter_pb2.DraftRequest(
-                open=drafter_pb2.DraftOpen(request_id=req.request_id, prompt_token_ids=req.prompt)))
+            call = self._open_call(req, name, context)
+            await call.write(self._open_message(req))
         return call
+
+    @staticmethod
+    async def _gather(coros) -> list:
+        """Run one call per drafter together; a drafter's failure is fusion's UNAVAILABLE."""
+        try:
+            return await asyncio.gather(*coros)
+        except grpc.aio.AioRpcError as exc:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"a drafter failed: {exc.details()}") from exc
 
     async def _score(self, req: _Request, context) -> list:
         """Open every drafter of the request now; each prefills the prompt and reports how well it predicted it."""
         async def one(name):
-            call = self.drafters[name].Draft(timeout=context.time_remaining(), metadata=req.metadata)
-            req.calls[name] = call
-            reply = await exchange(call, drafter_pb2.DraftRequest(open=drafter_pb2.DraftOpen(
-                request_id=req.request_id, prompt_token_ids=req.prompt, score_prompt=True)), f"drafter {name}")
+            call = self._open_call(req, name, context)
+            reply = await exchange(call, self._open_message(req, score_prompt=True), f"drafter {name}")
             return reply.prompt_fit
-        try:
-            return await asyncio.gather(*(one(n) for n in req.names))
-        except grpc.aio.AioRpcError as exc:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"a drafter failed: {exc.details()}") from exc
+        return await self._gather(one(n) for n in req.names)
 
     async def _exchange(self, req: _Request, names: list[str], steps: dict[str, drafter_pb2.DraftStep], context) -> list:
         async def one(name):
             call = await self._call(req, name, context)
             return await exchange(call, drafter_pb2.DraftRequest(step=steps[name]), f"drafter {name}")
-        try:
-            return await asyncio.gather(*(one(n) for n in names))
-        except grpc.aio.AioRpcError as exc:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"a drafter failed: {exc.details()}") from exc
+        return await self._gather(one(n) for n in names)
 
     async def _round(self, req: _Request, round_msg, context) -> fusion_pb2.SpeculateResponse:
         started = time.perf_counter()

@@ -202,6 +202,7 @@ def choose_batch(pool: Sequence[ReadyRequest], model: VerifyTimeModel, limits: B
     value = {r.request_id: limits.w_tokens * r.expected_tokens + limits.w_wait * r.waiting_s for r in pool}
     batch: list[ReadyRequest] = []
     tokens = memory = 0
+    longest = largest = 0  # the batch's longest context and largest tree
     base_time = 0.0
 
     def fits(r: ReadyRequest) -> float | None:
@@ -212,17 +213,19 @@ def choose_batch(pool: Sequence[ReadyRequest], model: VerifyTimeModel, limits: B
             return None
         if limits.max_memory is not None and memory + r.kv_bytes > limits.max_memory:
             return None
-        t = _step_time(model, [*batch, r], {})
+        # the batch's padding only grows: its longest context and largest tree so far, or r's
+        t = model.predict(len(batch) + 1, max(longest, r.context_len), max(largest, r.draft_tokens))
         if batch and limits.max_step_s is not None and t > limits.max_step_s:
             return None
         return t
 
     def add(r: ReadyRequest, t: float) -> None:
-        nonlocal tokens, memory, base_time
+        nonlocal tokens, memory, base_time, longest, largest
         batch.append(r)
         tokens += r.verify_tokens
         memory += r.kv_bytes
         base_time = t
+        longest, largest = max(longest, r.context_len), max(largest, r.draft_tokens)
 
     remaining = sorted(pool, key=lambda r: (-r.waiting_s, r.request_id))
     if limits.deadline_s is not None:  # overdue first, oldest first
