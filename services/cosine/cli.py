@@ -176,11 +176,21 @@ def _generate(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        s = result["stats"]
-        print(f"\n[{result['finish_reason']}; {len(result['token_ids'])} tokens, {s['rounds']} rounds, "
-              f"{s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted, {result['tokens_per_s']:.1f} tokens/s]",
-              file=sys.stderr)
+        print("\n" + summary_line(result), file=sys.stderr)
     return 0
+
+
+def summary_line(result: dict) -> str:
+    """The closing line of `cosine generate`: what speculation did, in the unit it saves (target forward passes)."""
+    s = result["stats"]
+    n = len(result["token_ids"])
+    line = f"[{result['finish_reason']}; {n} tokens in {s['rounds']} target passes"
+    if s["drafted_tokens"]:
+        line += (f" ({s['tokens_per_target_pass']:.2f} tokens per pass; plain decoding makes 1.00), "
+                 f"{s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted")
+    else:
+        line += " (nothing drafted: plain decoding)"
+    return line + f", {result['tokens_per_s']:.1f} tokens/s end to end]"
 
 
 def _serve(args) -> int:
