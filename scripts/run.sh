@@ -14,16 +14,16 @@ cache=${COSINE_CACHE:-~/.cache/cosine}
 
 cat <<EOF
 CoSine: install, prepare models, build the drafter zoo if missing, start the local cluster, generate, stop.
-  1. install CoSine and redis-server into this Python ($PYTHON)       first run: about 2 minutes
-  2. prepare the target and a small drafter into $cache               first run: about 1 minute
+  1. install CoSine and redis-server (first run: about 2 minutes), into the Python at $PYTHON
+  2. prepare the target and a small drafter (first run: about 1 minute), into $cache
 EOF
 if [ "${SKIP_ZOO:-0}" != "1" ]; then
-  echo "  3. build the missing domain drafters (cosine zoo build)           first run: about $minutes minutes on 2 cores"
+  echo "  3. build the missing domain drafters (first run: about $minutes minutes on 2 cores; cosine zoo build)"
   echo "     (COSINE_ZOO_MINUTES=5 for a quicker, weaker zoo; SKIP_ZOO=1 to skip; later runs: seconds)"
 else
   echo "  3. (SKIP_ZOO=1: no drafter build; the cluster drafts with prompt lookup and an untrained LM)"
 fi
-echo "  4. start the cluster (about 30 s), stream one generation, stop the cluster"
+echo "  4. start the cluster (about 30 seconds), stream one generation, stop the cluster"
 echo
 
 started=$(date +%s)

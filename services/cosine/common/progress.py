@@ -25,6 +25,18 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m"
 
 
+def _quiet_transformers() -> bool:
+    """Silence transformers' own bars (GGUF conversion, weight loading, "Writing model shards") while this display
+    runs: without a terminal they print carriage-return soup, and with one they break this bar. True if they were on."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return False
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    return was_on
+
+
 class Progress:
     """`with Progress("cosine zoo build", expected_s=1200) as p: p.phase("code: generating"); ...`
 
@@ -46,6 +58,7 @@ class Progress:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._bar = None
+        self._hf_bars = _quiet_transformers()
         if self.tty:
             from tqdm import tqdm
 
@@ -106,6 +119,10 @@ class Progress:
             self._bar = None
         elif final:
             print(f"[{self.desc}] {final} ({_duration(self.elapsed())})", file=self.file, flush=True)
+        if self._hf_bars:
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.enable_progress_bar()
 
     def __enter__(self) -> Progress:
         return self
