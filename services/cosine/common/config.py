@@ -21,6 +21,9 @@ class ServiceSettings(BaseSettings):
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
     shutdown_delay_s: float = Field(0.0, ge=0, description="on SIGTERM, how long to report NOT_SERVING before draining")
     max_message_mb: int = Field(64, ge=1, description="largest gRPC message sent or received")
+    max_connection_age_s: float = Field(0.0, ge=0, description=(
+        "ask each client to reconnect (GOAWAY) after this many seconds, so long-lived channels re-resolve and spread over "
+        "new replicas; open streams finish first (0: never)"))
     log_level: str = Field("INFO", description="logging level")
     trace_exporter: Literal["none", "console", "otlp", "memory"] = Field(
         "none", description="where spans go: none (tracing off, no cost), console, otlp, memory (kept in the process, for tests)")

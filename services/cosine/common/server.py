@@ -34,11 +34,19 @@ def channel_options(settings: ServiceSettings) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # a dns:/// target naming a headless Service resolves to every replica: spread calls over them
+        # (a request's stream stays on the replica it opened on; one address behaves as pick_first)
+        ("grpc.lb_policy_name", "round_robin"),
     ]
 
 
 def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
-    return channel_options(settings) + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+    options = channel_options(settings) + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+    if settings.max_connection_age_s:
+        # GOAWAY after the age; the grace lets open streams (a whole generation) finish on the old connection
+        options += [("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", 2**31 - 1)]
+    return options
 
 
 class GrpcService:

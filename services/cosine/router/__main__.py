@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
 import grpc
 from pydantic import Field
@@ -29,6 +31,16 @@ class RouterSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(2048, ge=1)
     max_depth: int = Field(16, ge=0, description="largest speculation.max_depth accepted")
     api_keys: list[str] = Field([], description="if set, callers must send 'authorization: Bearer <key>'")
+    api_keys_file: str = Field("", description="file with a JSON list of further accepted keys (e.g. a mounted Secret)")
+
+    def accepted_keys(self) -> set[str]:
+        keys = set(self.api_keys)
+        if self.api_keys_file:
+            listed = json.loads(Path(self.api_keys_file).read_text())
+            if not isinstance(listed, list) or not all(isinstance(k, str) and k for k in listed):
+                raise ValueError(f"{self.api_keys_file} must hold a JSON list of non-empty strings")
+            keys |= set(listed)
+        return keys
 
 
 async def serve(settings: RouterSettings) -> GrpcService:
@@ -60,7 +72,7 @@ async def serve(settings: RouterSettings) -> GrpcService:
         limits,
         settings.default_drafters,
         RouterMetrics(service.metrics.registry),
-        set(settings.api_keys),
+        settings.accepted_keys(),
         service.tracing,
     )
     service.servicer = servicer
