@@ -37,6 +37,8 @@ def channel_options(settings: ServiceSettings) -> list[tuple[str, int]]:
         # a dns:/// target naming a headless Service resolves to every replica: spread calls over them
         # (a request's stream stays on the replica it opened on; one address behaves as pick_first)
         ("grpc.lb_policy_name", "round_robin"),
+        # re-resolve at most every 5 s (gRPC's default: 30 s) when a server's GOAWAY (max_connection_age) asks for it
+        ("grpc.dns_min_time_between_resolutions_ms", 5_000),
     ]
 
 

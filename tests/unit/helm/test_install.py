@@ -216,7 +216,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_wait_for_redis_script_waits_until_redis_answers(renders, tmp_path):
+def test_wait_for_redis_script_waits_until_redis_answers(renders):
     script = init_script(renders["default"], "scheduler", "wait-for-redis")
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, COSINE_SCHEDULER_REDIS_URL=f"redis://127.0.0.1:{port}/0"),
