@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import grpc
 from pydantic import Field
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, run_service
+from cosine.common.server import GrpcService, open_channel, run_service
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.router import policy
 from cosine.router.service import DrafterDirectory, RouterMetrics, RouterServicer
@@ -52,9 +51,8 @@ async def serve(settings: RouterSettings) -> GrpcService:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     max_context = int(getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", 2048))
     limits = policy.Limits(settings.max_new_tokens_default, settings.max_new_tokens_limit, max_context, max_depth=settings.max_depth)
-    options = channel_options(settings)
-    scheduler_channel = grpc.aio.insecure_channel(settings.scheduler, options=options)
-    fusion_channel = grpc.aio.insecure_channel(settings.fusion, options=options)
+    scheduler_channel = open_channel(settings.scheduler, settings)
+    fusion_channel = open_channel(settings.fusion, settings)
 
     def register(server):
         router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
