@@ -175,6 +175,8 @@ One role: Deployment, Service, PDB, autoscaler and ServiceMonitor.
 {{- $scaler := include "cosine.autoscaler" (dict "root" $root "cfg" $cfg) | fromJson -}}
 {{- $public := eq $component "router" -}}
 {{- $hostPath := and .models (eq $storage.type "hostPath") -}}
+{{- $tls := $root.Values.tls.enabled -}}
+{{- $probePort := ternary $root.Values.tls.healthPort $cfg.port $tls -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -312,6 +314,9 @@ spec:
           ports:
             - {name: grpc, containerPort: {{ $cfg.port }}, protocol: TCP}
             - {name: metrics, containerPort: {{ $cfg.metricsPort }}, protocol: TCP}
+            {{- if $tls }}
+            - {name: health, containerPort: {{ $root.Values.tls.healthPort }}, protocol: TCP}
+            {{- end }}
           env:
             - {name: {{ .prefix }}HOST, value: "0.0.0.0"}
             - {name: {{ .prefix }}PORT, value: {{ $cfg.port | quote }}}
@@ -321,6 +326,16 @@ spec:
             - {name: {{ .prefix }}SHUTDOWN_DELAY_S, value: "0"}
             - {name: {{ .prefix }}LOG_LEVEL, value: {{ $root.Values.logLevel | quote }}}
             - {name: {{ .prefix }}MAX_CONNECTION_AGE_S, value: {{ $root.Values.maxConnectionAgeSeconds | quote }}}
+            {{- if $tls }}
+            # TLS on the port, mTLS on the channels to other roles{{ if not $public }}, client certificates required{{ end }}; probes use the plaintext health port
+            - {name: {{ .prefix }}TLS_CERT_FILE, value: /etc/cosine/tls/tls.crt}
+            - {name: {{ .prefix }}TLS_KEY_FILE, value: /etc/cosine/tls/tls.key}
+            - {name: {{ .prefix }}TLS_CA_FILE, value: /etc/cosine/tls/ca.crt}
+            {{- if not $public }}
+            - {name: {{ .prefix }}TLS_CLIENT_CA_FILE, value: /etc/cosine/tls/ca.crt}
+            {{- end }}
+            - {name: {{ .prefix }}HEALTH_PORT, value: {{ $root.Values.tls.healthPort | quote }}}
+            {{- end }}
             - {name: COSINE_CACHE, value: {{ ternary "/opt/cosine/cache" "/var/cache/cosine" (eq $storage.type "image") }}}
             - {name: HOME, value: /tmp}
             - {name: HF_HOME, value: /tmp/huggingface}
@@ -342,13 +357,13 @@ spec:
           resources:
             {{- toYaml $res | nindent 12 }}
           startupProbe:
-            grpc: {port: {{ $cfg.port }}, service: liveness}
+            grpc: {port: {{ $probePort }}, service: liveness}
             {{- toYaml $cfg.probes.startup | nindent 12 }}
           livenessProbe:
-            grpc: {port: {{ $cfg.port }}, service: liveness}
+            grpc: {port: {{ $probePort }}, service: liveness}
             {{- toYaml $cfg.probes.liveness | nindent 12 }}
           readinessProbe:
-            grpc: {port: {{ $cfg.port }}, service: readiness}
+            grpc: {port: {{ $probePort }}, service: readiness}
             {{- toYaml $cfg.probes.readiness | nindent 12 }}
           lifecycle:
             preStop:
@@ -365,12 +380,25 @@ spec:
             {{- with .mounts }}
             {{- . | nindent 12 }}
             {{- end }}
+            {{- if $tls }}
+            - {name: tls, mountPath: /etc/cosine/tls, readOnly: true}
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir:
             sizeLimit: 2Gi
         {{- with .volumes }}
         {{- . | nindent 8 }}
+        {{- end }}
+        {{- if $tls }}
+        - name: tls
+          secret:
+            secretName: {{ required "tls.secretName is required when tls.enabled (a kubernetes.io/tls Secret with ca.crt, see k8s/cert-manager.yaml)" $root.Values.tls.secretName }}
+            defaultMode: 288
+            items:
+              - {key: tls.crt, path: tls.crt}
+              - {key: tls.key, path: tls.key}
+              - {key: ca.crt, path: ca.crt}
         {{- end }}
         {{- if ne $storage.type "image" }}
         - name: models
@@ -533,4 +561,13 @@ spec:
       # the services label their series service="..." themselves: keep it (autoscaling queries select on it)
       honorLabels: true
 {{- end }}
+{{- end -}}
+
+{{/* grpcurl's transport flags for the router: plaintext, or TLS verified with the release's CA under the router's Service name */}}
+{{- define "cosine.grpcurlTransport" -}}
+{{- if .Values.tls.enabled -}}
+-cacert ca.crt -servername {{ include "cosine.fullname" . }}-router.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
+{{- else -}}
+-plaintext
+{{- end -}}
 {{- end -}}

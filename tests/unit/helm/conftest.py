@@ -31,6 +31,7 @@ VARIANTS = {
     "hostpath-own-keys": {"models": {"storage": {"type": "hostPath"}}, "router": {"apiKeys": {"existingSecret": "cosine-keys"}},
                           "verifier": {"maxSlots": 64}, "drafterDefaults": {"slots": 8}},
     "no-auth": {"router": {"apiKeys": {"enabled": False}}},
+    "tls": {"tls": {"enabled": True, "secretName": "cosine-tls"}},
 }
 
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk is not installed (pip install -e '.[test]')")

@@ -101,8 +101,9 @@ def test_accelerator_requests_and_tolerations_only_on_drafters_and_verifier(rend
 def test_probes_ask_for_the_health_names_the_servers_serve(renders, name):
     for component, dep in deployments(renders[name]).items():
         container = dep["spec"]["template"]["spec"]["containers"][0]
-        port = container["ports"][0]["containerPort"]
         assert container["ports"][0]["name"] == "grpc"
+        # with TLS on the gRPC port, probes ask the plaintext health port (the kubelet's gRPC probes cannot speak TLS)
+        port = next((p for p in container["ports"] if p["name"] == "health"), container["ports"][0])["containerPort"]
         for probe, service in (("startupProbe", LIVENESS), ("livenessProbe", LIVENESS), ("readinessProbe", READINESS)):
             assert container[probe]["grpc"] == {"port": port, "service": service}, (component, probe)
         startup = container["startupProbe"]

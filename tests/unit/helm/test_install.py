@@ -343,3 +343,64 @@ def test_render_matches_its_golden_file(renders, name):
         path.write_text(text)
     assert path.exists(), f"{path.name} is missing: run with COSINE_UPDATE_GOLDEN=1"
     assert text == path.read_text(), f"{path.name} differs from the render: review, then COSINE_UPDATE_GOLDEN=1"
+
+
+# ---- TLS
+
+
+def test_tls_wires_every_role_to_the_mounted_certificate_and_probes_the_plaintext_health_port(renders, monkeypatch):
+    from cosine.common.config import ServiceSettings
+
+    docs = renders["tls"]
+    for component, spec in pod_specs(docs).items():
+        if component == "redis":
+            continue
+        container = spec["containers"][0]
+        env = env_of(container)
+        prefix = next(k for k in env if k.endswith("_TLS_CERT_FILE"))[: -len("TLS_CERT_FILE")]
+        volume = next(v for v in spec["volumes"] if v["name"] == "tls")
+        assert volume["secret"]["secretName"] == "cosine-tls"
+        mount = next(m for m in container["volumeMounts"] if m["name"] == "tls")["mountPath"]
+        files = {f"{mount}/{item['path']}": item["key"] for item in volume["secret"]["items"]}
+        assert files[env[prefix + "TLS_CERT_FILE"]] == "tls.crt" and files[env[prefix + "TLS_KEY_FILE"]] == "tls.key"
+        assert files[env[prefix + "TLS_CA_FILE"]] == "ca.crt"
+        # internal roles require client certificates; the public router relies on API keys
+        assert (prefix + "TLS_CLIENT_CA_FILE" in env) == (component != "router"), component
+        health = next(p for p in container["ports"] if p["name"] == "health")["containerPort"]
+        assert env[prefix + "HEALTH_PORT"] == str(health)
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["grpc"]["port"] == health, (component, probe)
+        with monkeypatch.context() as m:
+            for k, v in env.items():
+                if k.startswith(prefix) and v is not None:
+                    m.setenv(k.replace(prefix, "COSINE_TLSCHECK_", 1), v)
+
+            class Settings(ServiceSettings):
+                model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_TLSCHECK_"}
+
+            s = Settings()
+        assert s.tls_cert_file and s.tls_ca_file and s.health_port == health
+    plain = pod_specs(renders["default"])["verifier"]["containers"][0]
+    assert not [k for k in env_of(plain) if "TLS" in k] and "health" not in [p["name"] for p in plain["ports"]]
+    assert "-cacert ca.crt -servername cosine-router.cosine.svc.cluster.local" in notes(load_values("tls"))
+    with pytest.raises(Exception, match="tls.secretName is required"):
+        render({"tls": {"enabled": True}})
+
+
+def test_cert_manager_example_names_what_the_chart_dials():
+    from .conftest import K8S
+
+    docs = list(yaml.safe_load_all((K8S / "cert-manager.yaml").read_text()))
+    cert = next(d for d in docs if d["kind"] == "Certificate" and not d["spec"].get("isCA"))
+    assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+    issuer = next(d for d in docs if d["kind"] == "Issuer" and d["metadata"]["name"] == cert["spec"]["issuerRef"]["name"])
+    ca = next(d for d in docs if d["kind"] == "Certificate" and d["spec"].get("isCA"))
+    assert issuer["spec"]["ca"]["secretName"] == ca["spec"]["secretName"]
+    # every dns:/// target the chart renders for namespace cosine matches a dnsName (one wildcard label)
+    targets = [e["value"] for d in render({"tls": {"enabled": True, "secretName": cert["spec"]["secretName"]}})
+               if d["kind"] == "Deployment" for e in d["spec"]["template"]["spec"]["containers"][0]["env"]
+               if str(e.get("value", "")).startswith("dns:///")]
+    assert targets
+    for t in targets:
+        host = t.removeprefix("dns:///").rpartition(":")[0]
+        assert any(n.startswith("*.") and host.partition(".")[2] == n[2:] for n in cert["spec"]["dnsNames"]), host
