@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, run_service
+from cosine.common.server import GrpcService, open_channel, run_service
 from cosine.drafter.v1 import drafter_pb2_grpc
 from cosine.fusion.service import FusionMetrics, FusionServicer
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
@@ -47,7 +46,7 @@ class FusionSettings(ServiceSettings):
 
 
 async def serve(settings: FusionSettings) -> GrpcService:
-    channels = {name: grpc.aio.insecure_channel(addr, options=channel_options(settings)) for name, addr in settings.endpoints.items()}
+    channels = {name: open_channel(addr, settings) for name, addr in settings.endpoints.items()}
 
     def register(server):
         fusion_pb2_grpc.add_FusionServicer_to_server(servicer, server)

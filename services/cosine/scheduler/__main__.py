@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 import redis.asyncio as aioredis
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, run_service
+from cosine.common.server import GrpcService, open_channel, run_service
 from cosine.common.state import RequestStore
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
@@ -73,9 +72,8 @@ async def check_models(verifier: verifier_pb2_grpc.VerifierStub, fusion: fusion_
 
 
 async def serve(settings: SchedulerSettings) -> GrpcService:
-    options = channel_options(settings)
-    verifier_channel = grpc.aio.insecure_channel(settings.verifier, options=options)
-    fusion_channel = grpc.aio.insecure_channel(settings.fusion, options=options)
+    verifier_channel = open_channel(settings.verifier, settings)
+    fusion_channel = open_channel(settings.fusion, settings)
     verifier = verifier_pb2_grpc.VerifierStub(verifier_channel)
     fusion = fusion_pb2_grpc.FusionStub(fusion_channel)
     client = aioredis.from_url(settings.redis_url)
