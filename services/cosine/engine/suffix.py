@@ -237,18 +237,21 @@ class SuffixDrafter(Drafter):
     ``memory``: the global index (shared; a request's output enters it at `release`), None for none.
     ``spec_factor``: draft at most ``ceil(spec_factor · L)`` tokens after a match of L tokens.
     ``min_prob``: stop a chain at a continuation less probable than this (trees: by path probability).
+    ``anchor``: prompt tokens stored in the memory before each output (the chat template's assistant header),
+        so an output's first tokens can be matched from the next request's prompt.
     """
 
     kind = "suffix"
 
     def __init__(self, name: str = "suffix", memory: SuffixMemory | None = None, max_match: int = 64,
-                 spec_factor: float = 1.0, min_prob: float = 0.1, max_candidates: int = 256):
+                 spec_factor: float = 2.0, min_prob: float = 0.1, max_candidates: int = 256, anchor: int = 4):
         self.name = name
         self.memory = memory
         self.max_match = max_match
         self.spec_factor = spec_factor
         self.min_prob = min_prob
         self.max_candidates = max_candidates
+        self.anchor = anchor
         self._reqs: dict[str, _Request] = {}
 
     def _requests(self) -> dict:
@@ -263,8 +266,9 @@ class SuffixDrafter(Drafter):
     def release(self, request_id: str) -> None:
         req = self._reqs.pop(request_id, None)
         if req is not None and self.memory is not None:
-            output = req.index.tail(req.index.tokens)[req.prompt_len:]
-            self.memory.add(output)
+            tokens = req.index.tail(req.index.tokens)
+            if len(tokens) > req.prompt_len:
+                self.memory.add(tokens[max(0, req.prompt_len - self.anchor):])
 
     def max_spec(self, match_len: int) -> int:
         return math.ceil(self.spec_factor * match_len) if match_len > 0 else 0

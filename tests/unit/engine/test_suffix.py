@@ -165,16 +165,20 @@ def test_memory_stays_under_its_bound_and_evicts_the_oldest(outputs, bound, quer
         assert [memory.token_at(p) for p in got[1]] == [fresh.token_at(p) for p in want[1]]
 
 
-def test_release_puts_the_output_not_the_prompt_into_memory():
+@pytest.mark.parametrize("anchor", [0, 2, 5])
+def test_release_puts_the_output_and_its_anchor_not_the_prompt_into_memory(anchor):
     memory = SuffixMemory(100)
-    d = SuffixDrafter(memory=memory)
+    d = SuffixDrafter(memory=memory, anchor=anchor)
     d.open("r", [1, 2, 3])
     d.draft("r", [4, 5], 2)
     d.draft("r", [6], 0)
     assert "r" in d
     d.release("r")
     d.release("r")  # idempotent
-    assert "r" not in d and _held(memory) == [[4, 5, 6]]
+    assert "r" not in d and _held(memory) == [[1, 2, 3][3 - min(anchor, 3):] + [4, 5, 6]]
+    d.open("s", [7, 8])
+    d.release("s")  # no output: nothing to remember
+    assert memory.sequences == 1
 
 
 def _sample(prompt: list[int], continuation: list[int]) -> Sample:
@@ -191,7 +195,7 @@ def test_a_second_request_over_text_the_first_produced_drafts_more_accepted_toke
     memory = SuffixMemory(4096)
     with_memory = SuffixDrafter(memory=memory)
     tau_first, _ = _model_free_tau([first], 4, with_memory)
-    assert memory.tokens == len(answer)
+    assert memory.tokens == len(answer) + 3  # and the prompt's last tokens as its anchor
     tau_second, agree = _model_free_tau([again], 4, with_memory)
     tau_alone, _ = _model_free_tau([again], 4, SuffixDrafter())
     tau_ngram, _ = _model_free_tau([again], 4)

@@ -1,0 +1,120 @@
+"""τ at depth 4 of prompt lookup (ngram) against suffix decoding, on the real target, teacher-forced.
+
+The target continues each prompt greedily (64 tokens by default; cached under $COSINE_CACHE/suffix-measure/);
+each drafter then drafts round by round along that continuation exactly as `cosine zoo eval` simulates
+prompt lookup (`cosine.zoo.build._model_free_tau`): a round accepts the drafted prefix that equals the
+target's tokens, plus the target's own token.
+
+Two passes over different prompts of the same domains (code, prose, technical, chat, math): the suffix
+drafter with memory keeps one global index through both, so the second pass drafts over the first pass's
+outputs (and each pass over its own earlier requests). `--set tune` runs the prompts the parameters were
+chosen on; the default sets (`pass1`, `pass2`) were written before measuring and never tuned on.
+
+    PYTHONPATH=services python tools/measure_suffix.py [--new-tokens 64] [--depth 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cosine.engine.suffix import SuffixDrafter, SuffixMemory
+from cosine.zoo.build import Target, _model_free_tau, _stop_ids
+from cosine.zoo.corpora import DomainPrompt
+from cosine.zoo.distill import Sample, generate
+from cosine.zoo.registry import cache_root
+
+# (domain, chat?, text): pass1[i] and pass2[i] share a domain, never a topic
+PROMPTS: dict[str, list[tuple[str, bool, str]]] = {
+    "tune": [
+        ("code", True, "Write a Python function that counts the vowels in a string."),
+        ("code", False, "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n"),
+        ("prose", True, "Write a short story about a lighthouse keeper who finds a message in a bottle."),
+        ("technical", True, "How do I create a virtual environment in Python and install packages into it?"),
+        ("technical", True, "Explain what a hash table is and why lookups are fast."),
+        ("chat", True, "What are some good ways to stay focused while working from home?"),
+        ("math", True, "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Explain step by step."),
+        ("math", True, "If a train travels 180 km in 2 hours, what is its average speed? Show your work."),
+    ],
+    "pass1": [
+        ("code", True, "Write a Python function that checks whether a number is prime."),
+        ("code", False, "def flatten(nested):\n    \"\"\"Return a flat list of all items in a nested list.\"\"\"\n"),
+        ("prose", True, "Continue this story: The old clockmaker opened his shop one rainy morning and"),
+        ("technical", True, "How do I set up SSH keys to log in to a Linux server without a password?"),
+        ("technical", True, "Explain how garbage collection works in Python."),
+        ("chat", True, "I have trouble sleeping at night. Do you have any advice?"),
+        ("math", True, "Tom has 24 apples and gives a third of them to his sister. How many apples does he have left? "
+                       "Explain step by step."),
+        ("math", True, "A rectangle is 8 cm long and 5 cm wide. What are its area and perimeter? Show your work."),
+    ],
+    "pass2": [
+        ("code", True, "Write a Python function that returns the factorial of a number."),
+        ("code", False, "def chunks(items, size):\n    \"\"\"Split a list into consecutive chunks of the given size.\"\"\"\n"),
+        ("prose", True, "Continue this story: The young sailor woke up on an empty beach and"),
+        ("technical", True, "How do I schedule a script to run every night with cron on Linux?"),
+        ("technical", True, "Explain how a Python dictionary stores its keys and values."),
+        ("chat", True, "I feel stressed before exams. Do you have any advice?"),
+        ("math", True, "Anna has 30 stickers and gives a fifth of them to her friend. How many stickers does she have left? "
+                       "Explain step by step."),
+        ("math", True, "A square garden has sides of 7 m. What are its area and perimeter? Show your work."),
+    ],
+}
+
+
+def continuations(target: Target, name: str, new_tokens: int) -> list[Sample]:
+    """The target's greedy continuations of one prompt set (cached)."""
+    path = cache_root() / "suffix-measure" / f"{name}-{new_tokens}.pt"
+    if path.exists():
+        return [Sample.from_dict(d) for d in torch.load(path, weights_only=False)]
+    prompts = [DomainPrompt(domain, text, chat).token_ids(target.tokenizer) for domain, chat, text in PROMPTS[name]]
+    samples = generate(target.model, prompts, new_tokens, _stop_ids(target.tokenizer), batch=len(prompts))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save([s.to_dict() for s in samples], path)
+    return samples
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--set", choices=["held-out", "tune"], default="held-out",
+                    help="held-out: pass 1 then pass 2; tune: the prompts the parameters were chosen on (one pass)")
+    ap.add_argument("--small-memory", type=int, default=256, help="a second suffix drafter's bound, in tokens")
+    args = ap.parse_args(argv)
+    t0 = time.monotonic()
+    torch.set_num_threads(2)
+    target = Target()
+    passes = ["tune"] if args.set == "tune" else ["pass1", "pass2"]
+    data = {p: continuations(target, p, args.new_tokens) for p in passes}
+    generated = time.monotonic() - t0
+    memories = {"suffix, memory 131072 tokens": SuffixMemory(131072),
+                f"suffix, memory {args.small_memory} tokens": SuffixMemory(args.small_memory)}
+    drafters = {"ngram (prompt lookup)": None, "suffix, no memory": SuffixDrafter()}
+    drafters |= {name: SuffixDrafter(memory=m) for name, m in memories.items()}
+    rows = []
+    for name, drafter in drafters.items():
+        row = [name]
+        for p in passes:
+            tau, agree = _model_free_tau(data[p], args.depth, drafter)
+            row += [f"{tau:.3f}", f"{agree:.2f}"]
+        memory = getattr(drafter, "memory", None)
+        row.append(f"{memory.tokens} / {memory.max_tokens} (evicted {memory.evicted_tokens})" if memory else "-")
+        rows.append(row)
+    head = ["drafter"] + [h for p in passes for h in (f"{p} τ@{args.depth}", f"{p} agree")] + ["memory after (tokens / bound)"]
+    widths = [max(len(r[i]) for r in rows + [head]) for i in range(len(head))]
+    print(" | ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("-|-".join("-" * w for w in widths))
+    for r in rows:
+        print(" | ".join(c.ljust(w) for c, w in zip(r, widths)))
+    counts = {p: (len(d), statistics.mean(len(s.continuation) for s in d)) for p, d in data.items()}
+    print("\n" + "; ".join(f"{p}: {n} prompts, {m:.0f} target tokens each on average" for p, (n, m) in counts.items())
+          + f"; greedy continuations of {target.dir.name} ({generated:.0f}s incl. load), drafting "
+          f"{time.monotonic() - t0 - generated:.1f}s")
+
+
+if __name__ == "__main__":
+    main()
