@@ -36,8 +36,12 @@ SEP = -1  # between sequences in a stream: no token equals it, so no match or co
 KEYS = (4, 2, 1)  # n-gram lengths indexed, longest first
 
 
-def _key(tokens: Sequence[int]):
-    return tokens[0] if len(tokens) == 1 else tuple(tokens)
+def _key(tokens: Sequence[int]) -> int:
+    """One int per n-gram (smaller than a tuple): the tokens' bits side by side, 32 per token."""
+    key = 0
+    for tok in tokens:
+        key = (key << 32) | tok
+    return key
 
 
 class SuffixIndex:
@@ -55,7 +59,8 @@ class SuffixIndex:
         self._floor = 0  # positions below are evicted
         self._seqs: deque[tuple[int, int]] = deque()  # (start, end) global positions of each sequence
         self._open = False  # the last sequence still grows
-        self._buckets: dict[int, dict] = {n: {} for n in KEYS}  # n → n-gram key → ascending end positions
+        # n → n-gram key → its end positions, ascending: one int while there is one (most n-grams), else a list
+        self._buckets: dict[int, dict[int, int | list[int]]] = {n: {} for n in KEYS}
         self.tokens = 0  # tokens held (separators not counted)
         self.entries = 0  # positions held in buckets
         self.evicted_tokens = 0
@@ -102,14 +107,21 @@ class SuffixIndex:
         start = self._seqs[-1][0] - self._offset
         for tok in tokens:
             tok = int(tok)
-            if tok < 0:
-                raise ValueError(f"token ids must be >= 0, got {tok}")
+            if not 0 <= tok < 1 << 32:
+                raise ValueError(f"token ids must be in [0, 2**32), got {tok}")
             stream.append(tok)
             end = self._offset + len(stream)  # continuations of the n-grams ending here start at `end`
             length = len(stream) - start
             for n in KEYS:
                 if n <= length:
-                    buckets[n].setdefault(_key(stream[-n:]), []).append(end)
+                    bucket_of, key = buckets[n], _key(stream[-n:])
+                    held = bucket_of.get(key)
+                    if held is None:
+                        bucket_of[key] = end
+                    elif isinstance(held, int):
+                        bucket_of[key] = [held, end]
+                    else:
+                        held.append(end)
                     self.entries += 1
             self.tokens += 1
         self._seqs[-1] = (self._seqs[-1][0], self.end)
@@ -139,6 +151,11 @@ class SuffixIndex:
                     bucket = bucket_of.get(key)
                     if bucket is None:
                         continue
+                    if isinstance(bucket, int):
+                        if bucket <= end:
+                            del bucket_of[key]
+                            self.entries -= 1
+                        continue
                     cut = 0
                     while cut < len(bucket) and bucket[cut] <= end:
                         cut += 1
@@ -147,6 +164,8 @@ class SuffixIndex:
                         self.entries -= cut
                     if not bucket:
                         del bucket_of[key]
+                    elif len(bucket) == 1:
+                        bucket_of[key] = bucket[0]
             self.tokens -= len(seq)
             self.evicted_tokens += len(seq)
             self.evicted_sequences += 1
@@ -167,8 +186,10 @@ class SuffixIndex:
             if n > q or n > max_match:
                 continue
             bucket = self._buckets[n].get(_key(query[-n:]))
-            if not bucket:
+            if bucket is None:
                 continue
+            if isinstance(bucket, int):
+                bucket = (bucket,)
             best, found = 0, []
             limit = min(max_match, q)
             for pos in islice(reversed(bucket), max_candidates):

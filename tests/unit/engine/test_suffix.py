@@ -155,6 +155,9 @@ def test_memory_stays_under_its_bound_and_evicts_the_oldest(outputs, bound, quer
         assert held == added[len(added) - len(held):]  # the newest outputs, in order: only the oldest were evicted
         assert memory.tokens == sum(map(len, held))
         assert memory.entries == sum(max(0, len(s) - n + 1) for s in held for n in KEYS)
+        buckets = [b for n in KEYS for b in memory._buckets[n].values()]
+        assert memory.entries == sum(1 if isinstance(b, int) else len(b) for b in buckets)  # nothing stale is kept
+        assert all(isinstance(b, int) or len(b) > 1 for b in buckets)
         assert memory.evicted_tokens == sum(map(len, added)) - memory.tokens
         assert len(memory._stream) <= 2 * (memory.tokens + len(held)) + 1  # evicted text is dropped, not kept
     # it answers as an index of only what it holds
