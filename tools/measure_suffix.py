@@ -11,6 +11,10 @@ outputs (and each pass over its own earlier requests). `--set tune` runs the pro
 chosen on; the default sets (`pass1`, `pass2`) were written before measuring and never tuned on.
 
     PYTHONPATH=services python tools/measure_suffix.py [--new-tokens 64] [--depth 4]
+
+`--cluster` also serves both passes through a local cluster (Redis, the five services, the real target; drafters
+suffix and ngram only), one request at a time, each drafter alone at depth 4 (fusion single, no routing, no
+adaptive depth): tokens committed per round, and whether every output equals the other drafter's.
 """
 
 from __future__ import annotations
@@ -77,6 +81,59 @@ def continuations(target: Target, name: str, new_tokens: int) -> list[Sample]:
     return samples
 
 
+def serve_passes(passes: list[str], new_tokens: int, depth: int) -> None:
+    """Both passes through a local cluster, suffix first (its memory fills in pass 1), then ngram."""
+    import os
+    import tempfile
+
+    import grpc
+
+    from cosine.cluster import Cluster, ClusterSpec, DrafterSpec, free_port
+    from cosine.common.v1 import common_pb2
+    from cosine.router.v1 import router_pb2, router_pb2_grpc
+
+    os.environ["COSINE_RUN_DIR"] = tempfile.mkdtemp(prefix="cosine-suffix-")
+    cluster = Cluster(ClusterSpec(router_port=free_port(), drafters=[DrafterSpec("suffix", "suffix"), DrafterSpec("ngram", "ngram")]))
+    cluster.start()
+    outputs: dict[tuple[str, int], list[int]] = {}
+    rows = []
+    try:
+        with grpc.insecure_channel(cluster.router_address) as channel:
+            stub = router_pb2_grpc.RouterStub(channel)
+            for drafter in ("suffix", "ngram"):
+                for p in passes:
+                    tokens = rounds = accepted = 0
+                    t = time.perf_counter()
+                    for i, (_, chat, text) in enumerate(PROMPTS[p]):
+                        request = router_pb2.GenerateRequest(max_new_tokens=new_tokens, speculation=dict(
+                            drafters=[drafter], max_depth=depth, fusion=common_pb2.FUSION_MODE_SINGLE, routing=False,
+                            adaptive_depth=False))
+                        if chat:
+                            request.messages.append(router_pb2.ChatMessage(role="user", content=text))
+                        else:
+                            request.prompt = text.encode()
+                        ids, final = [], None
+                        for reply in stub.Generate(request, timeout=600):
+                            if reply.WhichOneof("kind") == "chunk":
+                                ids += reply.chunk.token_ids
+                            else:
+                                final = reply.final
+                        outputs.setdefault((p, i), ids)
+                        if outputs[(p, i)] != ids:
+                            raise AssertionError(f"{p} prompt {i}: {drafter}'s output differs from the other drafter's")
+                        tokens += final.usage.completion_tokens
+                        rounds += final.stats.rounds
+                        accepted += final.stats.accepted_tokens
+                    rows.append((drafter, p, tokens / max(rounds, 1), accepted / max(rounds, 1), time.perf_counter() - t))
+    finally:
+        cluster.stop()
+    print(f"\nthrough the local cluster (each drafter alone, depth {depth}, one request at a time):")
+    print("drafter | pass  | tokens committed per round | accepted per round | wall s")
+    for drafter, p, per_round, acc, wall in rows:
+        print(f"{drafter:<7} | {p} | {per_round:26.3f} | {acc:18.3f} | {wall:6.1f}")
+    print("every output identical between the two drafters")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -84,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", choices=["held-out", "tune"], default="held-out",
                     help="held-out: pass 1 then pass 2; tune: the prompts the parameters were chosen on (one pass)")
     ap.add_argument("--small-memory", type=int, default=256, help="a second suffix drafter's bound, in tokens")
+    ap.add_argument("--cluster", action="store_true", help="also serve both passes through a local cluster")
     args = ap.parse_args(argv)
     t0 = time.monotonic()
     torch.set_num_threads(2)
@@ -114,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + "; ".join(f"{p}: {n} prompts, {m:.0f} target tokens each on average" for p, (n, m) in counts.items())
           + f"; greedy continuations of {target.dir.name} ({generated:.0f}s incl. load), drafting "
           f"{time.monotonic() - t0 - generated:.1f}s")
+    if args.cluster:
+        del target  # the cluster's verifier loads its own
+        serve_passes(passes, args.new_tokens, args.depth)
 
 
 if __name__ == "__main__":
