@@ -81,6 +81,32 @@ def continuations(target: Target, name: str, new_tokens: int) -> list[Sample]:
     return samples
 
 
+def calibration(samples: list[Sample], depth: int) -> list[tuple[float, float, int]]:
+    """Suffix decoding with memory over `samples` in order: for the drafted tokens the target got to judge (those
+    after an accepted prefix), (mean confidence, share accepted, count) per confidence bin, and overall last."""
+    drafter = SuffixDrafter(memory=SuffixMemory())
+    judged: list[tuple[float, bool]] = []
+    for i, s in enumerate(samples):
+        drafter.open(str(i), s.tokens[: s.prompt_len])
+        p, new = s.prompt_len, []
+        while p < len(s.tokens):
+            chain, probs = drafter.draft(str(i), new, min(depth, len(s.tokens) - p - 1))
+            a = 0
+            while a < len(chain) and s.tokens[p + a] == chain[a]:
+                a += 1
+            judged += [(probs[k], k < a) for k in range(min(len(chain), a + 1))]
+            new = s.tokens[p: p + a + 1]
+            p += a + 1
+        drafter.draft(str(i), new, 0)
+        drafter.release(str(i))
+    out = []
+    for lo, hi in ((0.0, 0.3), (0.3, 0.5), (0.5, 0.7), (0.7, 1.01), (0.0, 1.01)):
+        xs = [(q, ok) for q, ok in judged if lo <= q < hi]
+        if xs:
+            out.append((statistics.mean(q for q, _ in xs), statistics.mean(ok for _, ok in xs), len(xs)))
+    return out
+
+
 def serve_passes(passes: list[str], new_tokens: int, depth: int) -> None:
     """Both passes through a local cluster, suffix first (its memory fills in pass 1), then ngram."""
     import os
@@ -172,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + "; ".join(f"{p}: {n} prompts, {m:.0f} target tokens each on average" for p, (n, m) in counts.items())
           + f"; greedy continuations of {target.dir.name} ({generated:.0f}s incl. load), drafting "
           f"{time.monotonic() - t0 - generated:.1f}s")
+    rows = calibration([x for p in passes for x in data[p]], args.depth)
+    print("suffix with memory, confidence against acceptance of the drafted tokens the target judged: "
+          + "; ".join(f"{c:.2f} → {a:.2f} (n={n})" for c, a, n in rows[:-1]) + f"; overall {rows[-1][0]:.2f} → {rows[-1][1]:.2f}")
     if args.cluster:
         del target  # the cluster's verifier loads its own
         serve_passes(passes, args.new_tokens, args.depth)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cosine.engine.suffix import KEYS, SuffixDrafter, SuffixIndex, SuffixMemory, continuations
+from cosine.engine.suffix import KEYS, SMOOTHING, SuffixDrafter, SuffixIndex, SuffixMemory, continuations
 from cosine.zoo.build import _model_free_tau
 from cosine.zoo.distill import Sample
 
@@ -115,7 +115,7 @@ def test_counts_set_branches_and_confidence():
     d.open("r", [7, 8, 1, 5, 7, 8, 1, 6, 7, 8, 2, 5, 7, 8, 1, 9, 7, 8])
     cands = d.propose("r", [], [], top_k=3)
     assert [t for t, _ in cands] == [1, 2]
-    assert cands[0][1] == pytest.approx(3 / (4 + 1 / 2)) and cands[1][1] == pytest.approx(1 / (4 + 1 / 2))
+    assert cands[0][1] == pytest.approx(3 / (4 + SMOOTHING / 2)) and cands[1][1] == pytest.approx(1 / (4 + SMOOTHING / 2))
     tree = d.draft_tree("r", [], depth=2, budget=8)
     assert tree.tokens[0] == 1 and tree.parents[0] == -1
     assert set(zip(tree.tokens, tree.parents)) >= {(1, -1), (2, -1)}
