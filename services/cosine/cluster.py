@@ -29,19 +29,21 @@ def free_port() -> int:
 @dataclass
 class DrafterSpec:
     name: str
-    kind: str  # lm | ngram
+    kind: str  # lm | ngram | suffix
     model: str = ""
     domain: str = "general"
+    default: bool = True  # among the router's default candidates (else only for requests that name it)
 
 
 def zoo_drafters() -> list[DrafterSpec]:
-    """The drafters a local cluster runs by default: prompt lookup plus every domain drafter `cosine zoo build`
-    made (lm-code, lm-docs, ...); before a build, the untrained lm-2layer stands in for them."""
+    """The drafters a local cluster runs by default: suffix decoding (the cheap drafter) plus every domain drafter
+    `cosine zoo build` made (lm-code, lm-docs, ...; before a build, the untrained lm-2layer stands in for them);
+    prompt lookup (ngram) runs too, for requests that name it, but is not a default candidate."""
     from cosine.zoo.registry import list_models
 
     built = [e for e in list_models() if e.kind == "lm" and e.domain != "general"]
     lms = [DrafterSpec(e.name, "lm", e.name, e.domain) for e in built] or [DrafterSpec("lm-2layer", "lm", "lm-2layer")]
-    return [DrafterSpec("ngram", "ngram")] + lms
+    return [DrafterSpec("suffix", "suffix")] + lms + [DrafterSpec("ngram", "ngram", default=False)]
 
 
 @dataclass
@@ -50,7 +52,7 @@ class ClusterSpec:
     redis_url: str = ""  # empty: start a private redis-server
     target: str = ""  # model dir or zoo name; empty: the zoo's target
     drafters: list[DrafterSpec] = field(default_factory=zoo_drafters)
-    default_drafters: list[str] | None = None  # the router's default candidates; None: every drafter of the cluster
+    default_drafters: list[str] | None = None  # the router's default candidates; None: the drafters marked default
     verifier_threads: int = 2
     drafter_threads: int = 1
     log_level: str = "INFO"
@@ -122,7 +124,7 @@ class Cluster:
                           "--threads", str(spec.drafter_threads), *model)
             endpoints.append(f"{d.name}=127.0.0.1:{port}")
         self._service("fusion", "cosine.fusion", ports["fusion"], "--drafters", ",".join(endpoints))
-        defaults = spec.default_drafters if spec.default_drafters is not None else [d.name for d in spec.drafters]
+        defaults = spec.default_drafters if spec.default_drafters is not None else [d.name for d in spec.drafters if d.default]
         self._service("scheduler", "cosine.scheduler", ports["scheduler"], "--verifier", f"127.0.0.1:{ports['verifier']}",
                       "--fusion", f"127.0.0.1:{ports['fusion']}", "--redis-url", redis_url)
         self._service("router", "cosine.router", spec.router_port, "--scheduler", f"127.0.0.1:{ports['scheduler']}",

@@ -268,17 +268,21 @@ def _lm_matches(model, vocab: DraftVocab | None, samples: list[Sample]) -> list[
     return out
 
 
-def _ngram_tau(samples: list[Sample], depth: int) -> tuple[float, float]:
-    """(τ, per-token agreement) of the prompt-lookup drafter, simulated round by round along the target's output."""
+def _model_free_tau(samples: list[Sample], depth: int, drafter=None) -> tuple[float, float]:
+    """(τ, per-token agreement) of a model-free drafter, simulated round by round along the target's output.
+
+    ``drafter``: one drafter for every sample in turn, released after each (a suffix drafter's memory learns
+    each sample's output); default: a fresh prompt-lookup drafter per sample."""
     from cosine.engine.drafters import NgramDrafter
 
     taus, agreed, proposed = [], 0, 0
-    for s in samples:
-        drafter = NgramDrafter()
-        drafter.open("r", s.tokens[: s.prompt_len])
+    for i, s in enumerate(samples):
+        d = drafter if drafter is not None else NgramDrafter()
+        rid = f"r{i}"
+        d.open(rid, s.tokens[: s.prompt_len])
         p, rounds, new = s.prompt_len, 0, []
         while p < len(s.tokens):
-            chain, _ = drafter.draft("r", new, min(depth, len(s.tokens) - p - 1))
+            chain, _ = d.draft(rid, new, min(depth, len(s.tokens) - p - 1))
             a = 0
             while a < len(chain) and s.tokens[p + a] == chain[a]:
                 a += 1
@@ -287,6 +291,8 @@ def _ngram_tau(samples: list[Sample], depth: int) -> tuple[float, float]:
             new = s.tokens[p: p + a + 1]
             p += a + 1
             rounds += 1
+        d.draft(rid, new, 0)  # the last round's tokens are committed too
+        d.release(rid)
         taus.append(len(s.continuation) / max(rounds, 1))
     return statistics.mean(taus), agreed / max(proposed, 1)
 
@@ -323,7 +329,7 @@ def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]],
     """Every drafter of the zoo (LM and n-gram) on every domain's held-out continuations."""
     from cosine.engine.llama import NativeLlama
 
-    entries = [e for e in (find(n) for n in names) if e] if names else [e for e in list_models() if e.kind in ("lm", "ngram")]
+    entries = [e for e in (find(n) for n in names) if e] if names else [e for e in list_models() if e.kind in ("lm", "ngram", "suffix")]
     steps = forward_ms(target.model, (1,) + tuple(d + 1 for d in DEPTHS))
     target_ms = steps[1]
     verify = {d: steps[d + 1] / target_ms for d in DEPTHS}
@@ -331,12 +337,16 @@ def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]],
     for entry in entries:
         if progress:
             progress(f"evaluating {entry.name}")
-        if entry.kind == "ngram":
-            score = DrafterScore(entry.name, "ngram", entry.domain, 0.0)
+        if entry.kind in ("ngram", "suffix"):
+            from cosine.engine.suffix import SuffixDrafter, SuffixMemory
+
+            score = DrafterScore(entry.name, entry.kind, entry.domain, 0.0)
             for domain, samples in evalsets.items():
                 taus, agree = {}, None
                 for d in DEPTHS:
-                    taus[d], a = _ngram_tau(samples, d)
+                    # suffix: one drafter per domain and depth, its memory filled by the domain's earlier samples
+                    drafter = SuffixDrafter(memory=SuffixMemory()) if entry.kind == "suffix" else None
+                    taus[d], a = _model_free_tau(samples, d, drafter)
                     agree = a if d == 1 else agree
                 score.by_domain[domain] = {"agreement": round(agree, 4), "tau": {d: round(t, 3) for d, t in taus.items()}}
         else:
