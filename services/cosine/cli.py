@@ -115,7 +115,8 @@ def _up(args) -> int:
 
         prepare_all()
     stop_saved()  # a cluster left from an earlier --detach would hold the ports
-    spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level)
+    spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level,
+                       redis_maxmemory=args.redis_maxmemory)
     cluster = Cluster(spec)
     started = time.monotonic()
 
@@ -229,6 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start Redis and every service on loopback")
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    up.add_argument("--redis-maxmemory", default="256mb",
+                    help="memory limit of the Redis `up` starts (policy noeviction: when full, new requests get RESOURCE_EXHAUSTED)")
     up.add_argument("--target", default="", help="target model directory (default: the zoo's)")
     up.add_argument("--detach", action="store_true", help="return once ready; stop later with `cosine down`")
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for every service to be SERVING")

@@ -88,3 +88,56 @@ def redis_proc(port: int | None = None, maxmemory: str = "0", policy: str = "noe
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
             "--maxmemory", maxmemory, "--maxmemory-policy", policy]
     return Proc("redis", argv, port, grpc_service=False)
+
+
+@pytest.fixture(scope="session")
+def greedy(tiny_dirs):
+    """The tiny target's own greedy continuation (transformers alone), cut after the first EOS."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from cosine.engine.models import load_causal_lm
+
+    model = load_causal_lm(tiny_dirs["target"])
+    tok = AutoTokenizer.from_pretrained(str(tiny_dirs["target"]))
+    cache: dict = {}
+
+    def ref(prompt: str, n: int) -> list[int]:
+        if (prompt, n) not in cache:
+            ids = tok(prompt)["input_ids"]
+            out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=tok.eos_token_id)
+            gen = out[0, len(ids):].tolist()
+            eos = tok.eos_token_id
+            cache[(prompt, n)] = gen[: gen.index(eos) + 1] if eos in gen else gen
+        return cache[(prompt, n)]
+
+    return ref
+
+
+async def generate(address: str, prompt: str, n: int, timeout: float = 60, on_first=None, **fields):
+    """One Generate stream: (token ids, final, None) or (token ids so far, None, the AioRpcError)."""
+    import grpc
+
+    from cosine.router.v1 import router_pb2, router_pb2_grpc
+
+    ids, final = [], None
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            async for reply in router_pb2_grpc.RouterStub(channel).Generate(
+                    router_pb2.GenerateRequest(prompt=prompt.encode(), max_new_tokens=n, **fields), timeout=timeout):
+                if reply.WhichOneof("kind") == "chunk":
+                    if not ids and on_first is not None:
+                        on_first()
+                    ids += reply.chunk.token_ids
+                else:
+                    final = reply.final
+        except grpc.aio.AioRpcError as exc:
+            return ids, None, exc
+    return ids, final, None
+
+
+ADDRESS = __import__("re").compile(r"(ipv[46]:|unix:|\b\d{1,3}(\.\d{1,3}){3}(:\d+)?\b|\[[0-9a-f:]+\]:\d+|localhost:\d+)", __import__("re").I)
+
+
+def assert_no_address(message: str) -> None:
+    assert not ADDRESS.search(message or ""), f"an internal address leaked: {message!r}"

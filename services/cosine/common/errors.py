@@ -23,6 +23,7 @@ _PASSED_ON = {
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
 }
 
 
