@@ -29,6 +29,10 @@ class RouterSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(2048, ge=1)
     max_depth: int = Field(16, ge=0, description="largest speculation.max_depth accepted")
     api_keys: list[str] = Field([], description="if set, callers must send 'authorization: Bearer <key>'")
+    max_streams: int = Field(16, ge=0, description=(
+        "admission: most Generate streams in progress at once; the excess gets RESOURCE_EXHAUSTED at once "
+        "(set it to the KV slots the verifiers hold, Σ max_slots; 0: no limit)"))
+    default_timeout_s: float = Field(600.0, gt=0, description="deadline of a request whose client set none")
 
 
 async def serve(settings: RouterSettings) -> GrpcService:
@@ -62,6 +66,8 @@ async def serve(settings: RouterSettings) -> GrpcService:
         RouterMetrics(service.metrics.registry),
         set(settings.api_keys),
         service.tracing,
+        max_streams=settings.max_streams,
+        default_timeout_s=settings.default_timeout_s,
     )
     service.servicer = servicer
     await service.start()
