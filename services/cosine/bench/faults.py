@@ -18,13 +18,13 @@ Verifier, scheduler and Redis failover are not scenarios yet: those paths do not
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import signal
 import statistics
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -51,18 +51,20 @@ class Row:
     errors: dict[str, int]
     slowest_refusal_ms: float | None
     added_latency_s: float | None
+    refusal_p50_ms: float | None = None
+    refusal_p99_ms: float | None = None
 
 
-def one(stub, prompt: Prompt, index: int, max_new: int, timeout: float, on_first=None) -> Outcome:
+async def one(stub, prompt: Prompt, index: int, max_new: int, timeout: float, on_first=None) -> Outcome:
     out = Outcome(index)
     started = time.perf_counter()
     try:
-        for reply in stub.Generate(router_pb2.GenerateRequest(**prompt.request_fields(max_new)), timeout=timeout):
+        async for reply in stub.Generate(router_pb2.GenerateRequest(**prompt.request_fields(max_new)), timeout=timeout):
             if reply.WhichOneof("kind") == "chunk":
                 if not out.token_ids and on_first is not None:
                     on_first()
                 out.token_ids += reply.chunk.token_ids
-    except grpc.RpcError as exc:
+    except grpc.aio.AioRpcError as exc:
         out.code = exc.code().name
     out.seconds = time.perf_counter() - started
     out.ended = time.monotonic()
@@ -70,11 +72,13 @@ def one(stub, prompt: Prompt, index: int, max_new: int, timeout: float, on_first
 
 
 def run_many(address: str, prompts: list[Prompt], indices: list[int], max_new: int, timeout: float, on_first=None) -> list[Outcome]:
-    with grpc.insecure_channel(address) as channel:
-        grpc.channel_ready_future(channel).result(timeout=30)
-        stub = router_pb2_grpc.RouterStub(channel)
-        with ThreadPoolExecutor(max_workers=len(indices)) as pool:
-            return list(pool.map(lambda i: one(stub, prompts[i], i, max_new, timeout, on_first), indices))
+    """Every stream at once from one event loop (a thread per stream would time the client's threads)."""
+    async def go():
+        async with grpc.aio.insecure_channel(address) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            stub = router_pb2_grpc.RouterStub(channel)
+            return await asyncio.gather(*(one(stub, prompts[i], i, max_new, timeout, on_first) for i in indices))
+    return asyncio.run(go())
 
 
 def row(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], base_median: float | None) -> Row:
@@ -85,17 +89,21 @@ def row(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], bas
             errors[o.code] = errors.get(o.code, 0) + 1
     refused = [o.seconds for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
     added = statistics.median(o.seconds for o in ok) - base_median if ok and base_median is not None else None
+    refused.sort()
+    def pct(q):
+        return refused[min(len(refused) - 1, int(q * len(refused)))] * 1000 if refused else None
     return Row(name, len(outcomes), len(ok), sum(o.token_ids == reference.get(o.prompt) for o in ok), errors,
-               max(refused) * 1000 if refused else None, added)
+               max(refused) * 1000 if refused else None, added, pct(0.5), pct(0.99))
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'scenario':24} {'requests':>8} {'completed':>9} {'identical':>9} {'slowest refusal':>15} {'added latency':>13}  errors"]
+    lines = [f"{'scenario':24} {'requests':>8} {'completed':>9} {'identical':>9} {'refusal p50/p99/max':>20} {'added latency':>13}  errors"]
     for r in rows:
-        refusal = f"{r.slowest_refusal_ms:.0f} ms" if r.slowest_refusal_ms is not None else "-"
+        refusal = (f"{r.refusal_p50_ms:.0f}/{r.refusal_p99_ms:.0f}/{r.slowest_refusal_ms:.0f} ms"
+                   if r.slowest_refusal_ms is not None else "-")
         added = f"{r.added_latency_s:+.2f} s" if r.added_latency_s is not None else "-"
         errors = ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "none"
-        lines.append(f"{r.scenario:24} {r.requests:>8} {r.completed:>9} {r.identical:>9} {refusal:>15} {added:>13}  {errors}")
+        lines.append(f"{r.scenario:24} {r.requests:>8} {r.completed:>9} {r.identical:>9} {refusal:>20} {added:>13}  {errors}")
     return "\n".join(lines)
 
 

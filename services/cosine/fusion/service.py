@@ -110,6 +110,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         self.probe_timeout_s = probe_timeout_s
         self.clock = clock
         self._infos: dict[str, common_pb2.ModelInfo] = {}  # each drafter's last answer to Info
+        self._asked: set[str] = set()  # drafters ListDrafters asked before
         self._probes: set[asyncio.Task] = set()
 
     async def ListDrafters(self, request, context):
@@ -117,12 +118,18 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         (or its name alone): a dead drafter must not make requests that name it invalid."""
         self._start_probes()
 
+        remaining = context.time_remaining()
+
         async def one(name, stub):
             known = self._infos.get(name)
+            patient = name not in self._asked  # the first time, a drafter may still be starting: wait for it a while
+            self._asked.add(name)
+            timeout = 10.0 if patient else self.probe_timeout_s
+            if remaining is not None:
+                timeout = max(0.1, min(timeout, 0.8 * remaining))  # answer within the caller's deadline
             try:
-                # a drafter never heard from may still be starting: wait for it a while
-                info = await stub.Info(common_pb2.InfoRequest(), timeout=self.probe_timeout_s if known else 10,
-                                       wait_for_ready=known is None, metadata=self.tracing.metadata())
+                info = await stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=patient,
+                                       metadata=self.tracing.metadata())
             except grpc.RpcError as exc:
                 log.warning("drafter %s did not answer Info: %s", name, exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc)
                 return known or common_pb2.ModelInfo(name=name)
@@ -145,7 +152,10 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         except grpc.RpcError:
             ok = False
         self.health.probe_result(name, ok, self.clock())
-        log.info("drafter %s %s its health check", name, "passed: back in use after" if ok else "failed")
+        if ok:
+            log.info("drafter %s passed its health check: new requests use it again", name)
+        else:
+            log.info("drafter %s failed its health check: still skipped", name)
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):
         req: _Request | None = None

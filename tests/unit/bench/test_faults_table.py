@@ -16,4 +16,4 @@ def test_a_row_counts_completed_identical_refusals_and_added_latency():
     assert abs(r.slowest_refusal_ms - 70) < 1e-9
     assert abs(r.added_latency_s - 1.5) < 1e-9  # median of 2.0 and 4.0, minus 1.5
     text = table([r])
-    assert "overload" in text and "70 ms" in text and "UNAVAILABLE 1" in text
+    assert "overload" in text and "/70 ms" in text and "UNAVAILABLE 1" in text
