@@ -50,6 +50,9 @@ def zoo_drafters() -> list[DrafterSpec]:
 class ClusterSpec:
     router_port: int = 50051
     redis_url: str = ""  # empty: start a private redis-server
+    # the private redis-server's memory limit; at the limit writes fail (noeviction) and new requests get
+    # RESOURCE_EXHAUSTED: evicting would drop running requests' state (the source of truth) mid-stream
+    redis_maxmemory: str = "256mb"
     target: str = ""  # model dir or zoo name; empty: the zoo's target
     drafters: list[DrafterSpec] = field(default_factory=zoo_drafters)
     default_drafters: list[str] | None = None  # the router's default candidates; None: the drafters marked default
@@ -110,7 +113,8 @@ class Cluster:
             if binary is None:
                 raise RuntimeError("redis-server not found: install it (apt-get install -y redis-server) or pass --redis-url")
             port = free_port()
-            self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                  "--maxmemory", spec.redis_maxmemory, "--maxmemory-policy", "noeviction"],
                         f"127.0.0.1:{port}", None, grpc_service=False)
             redis_url = f"redis://127.0.0.1:{port}/0"
         ports = {n: free_port() for n in ("scheduler", "fusion", "verifier")}

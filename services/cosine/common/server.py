@@ -104,6 +104,9 @@ class GrpcService:
         self._health_server: grpc.aio.Server | None = None
         self._service_names: list[str] = []
         self._stopped = asyncio.Event()
+        self._stopping = False
+        self._ready = False
+        self._watches: list[asyncio.Task] = []
 
     @property
     def in_flight(self) -> int:
@@ -142,6 +145,7 @@ class GrpcService:
         return self.port
 
     async def _set_ready(self, ready: bool) -> None:
+        self._ready = ready
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", READINESS, *self._service_names):
             await self.health.set(service, status)
@@ -150,10 +154,25 @@ class GrpcService:
         await self._set_ready(True)
         log.info("%s ready", self.name)
 
+    def watch_readiness(self, what: str, check: Callable[[], Awaitable[bool]], interval_s: float) -> None:
+        """Readiness follows a dependency: NOT_SERVING while ``check()`` says False, SERVING again when it
+        says True (never after stop() began)."""
+        async def watch():
+            while not self._stopping:
+                ok = await check()
+                if not self._stopping and ok != self._ready:
+                    await self._set_ready(ok)
+                    (log.info if ok else log.warning)("%s %s: %s", self.name, "ready" if ok else "not ready", f"{what} is {'back' if ok else 'unreachable'}")
+                await asyncio.sleep(interval_s)
+        self._watches.append(asyncio.get_running_loop().create_task(watch()))
+
     async def stop(self) -> None:
         """NOT_SERVING → wait shutdown_delay_s → drain in-flight calls up to drain_timeout_s → stop."""
         if self.server is None or self._stopped.is_set():
             return
+        self._stopping = True
+        for task in self._watches:
+            task.cancel()
         await self._set_ready(False)
         if self.settings.shutdown_delay_s:
             await asyncio.sleep(self.settings.shutdown_delay_s)

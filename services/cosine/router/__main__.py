@@ -31,6 +31,10 @@ class RouterSettings(ServiceSettings):
     max_depth: int = Field(16, ge=0, description="largest speculation.max_depth accepted")
     api_keys: list[str] = Field([], description="if set, callers must send 'authorization: Bearer <key>'")
     api_keys_file: str = Field("", description="file with a JSON list of further accepted keys (e.g. a mounted Secret)")
+    max_streams: int = Field(16, ge=0, description=(
+        "admission: most Generate streams in progress at once; the excess gets RESOURCE_EXHAUSTED at once "
+        "(set it to the KV slots the verifiers hold, Σ max_slots; 0: no limit)"))
+    default_timeout_s: float = Field(600.0, gt=0, description="deadline of a request whose client set none")
 
     def accepted_keys(self) -> set[str]:
         keys = set(self.api_keys)
@@ -72,6 +76,8 @@ async def serve(settings: RouterSettings) -> GrpcService:
         RouterMetrics(service.metrics.registry),
         settings.accepted_keys(),
         service.tracing,
+        max_streams=settings.max_streams,
+        default_timeout_s=settings.default_timeout_s,
     )
     service.servicer = servicer
     await service.start()

@@ -41,6 +41,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # streams holding or opening a KV cache: counted on the event loop before the open is awaited,
         # so two concurrent opens cannot both pass the check for the last slot
         self.slots_taken = 0
+        self.open_ids: set[str] = set()  # request ids a stream holds here: a second open of one is refused
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -73,11 +74,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         sampling.check()
                     except ValueError as exc:
                         raise invalid(str(exc)) from exc
+                    if message.open.request_id in self.open_ids:  # never take over another stream's cache
+                        raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {message.open.request_id} is already open on the verifier")
                     if self.slots_taken >= self.max_slots:
-                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier holds {self.max_slots} requests already")
+                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                           f"the verifier holds {self.max_slots} requests already; retry later")
                     self.slots_taken += 1  # taken before the await: the check and the taking are one step
                     holds_slot = True
                     request_id = message.open.request_id
+                    self.open_ids.add(request_id)
                     await self.worker.run(self.engine.open, request_id, committed, message.open.prompt_len)
                 elif kind == "round":
                     if request_id is None:
@@ -102,6 +107,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         finally:
             if request_id is not None:
                 # the worker runs calls in order, so an open queued after this release finds the slot free
+                self.open_ids.discard(request_id)
                 self.worker.submit(self.engine.release, request_id)
             if holds_slot:
                 self.slots_taken -= 1
