@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -164,7 +165,7 @@ def _generate(args) -> int:
     options = GenerateOptions(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=args.stop or [], drafters=args.drafter or [], no_speculation=args.no_speculation,
-        max_depth=args.max_depth, chat=args.chat, timeout=args.timeout,
+        max_depth=args.max_depth, chat=args.chat, timeout=args.timeout, api_key=args.api_key,
     )
     try:
         result = generate(args.addr, args.prompt, options, on_text=None if args.json else lambda t: print(t, end="", flush=True))
@@ -267,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming text")
     gen.add_argument("--timeout", type=float, default=600, help="deadline of the call in seconds")
+    gen.add_argument("--api-key", default=os.environ.get("COSINE_API_KEY", ""),
+                     help="the router's API key, if it requires one (default: $COSINE_API_KEY; the chart's router does)")
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="benchmarks: compare (CoSine against its baselines; serving is an alias), engine, faults",

@@ -25,6 +25,7 @@ class GenerateOptions:
     max_depth: int | None = None
     chat: bool = False
     timeout: float = 600.0
+    api_key: str = ""  # sent as 'authorization: Bearer <key>' when set (the chart's router requires one)
 
 
 def build_request(prompt: str, options: GenerateOptions) -> router_pb2.GenerateRequest:
@@ -55,7 +56,8 @@ def generate(address: str, prompt: str, options: GenerateOptions, on_text: Calla
     first = None
     text, token_ids, final = [], [], None
     with grpc.insecure_channel(address) as channel:
-        for reply in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=options.timeout):
+        metadata = [("authorization", f"Bearer {options.api_key}")] if options.api_key else None
+        for reply in router_pb2_grpc.RouterStub(channel).Generate(request, timeout=options.timeout, metadata=metadata):
             if reply.WhichOneof("kind") == "chunk":
                 first = first or time.perf_counter()
                 token_ids += reply.chunk.token_ids

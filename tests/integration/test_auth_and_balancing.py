@@ -161,3 +161,19 @@ async def test_max_connection_age_moves_new_calls_off_old_connections_and_keeps_
     assert "IDLE" in aged, aged
     kept, later = await states(0.0)
     assert later == b"after" and set(kept) == {"READY"}, kept
+
+
+async def test_cosine_generate_sends_the_api_key(keyed_router, services):
+    """`cosine generate --api-key` (the CLI's client) against the keyed router: refused without it, same tokens with."""
+    import asyncio
+
+    from cosine.client import GenerateOptions
+    from cosine.client import generate as client_generate
+
+    options = GenerateOptions(max_new_tokens=12, timeout=60)
+    with pytest.raises(grpc.RpcError) as exc:
+        await asyncio.to_thread(client_generate, keyed_router, "The quick brown fox", options)
+    assert exc.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    options.api_key = KEY
+    result = await asyncio.to_thread(client_generate, keyed_router, "The quick brown fox", options)
+    assert result["token_ids"] == await generate(services.router)
