@@ -161,3 +161,13 @@ async def test_a_hung_drafter_is_dropped_after_its_deadline_and_readmitted_when_
     ids, _ = await stream(core.router, speculation={"drafters": ["tiny"]})
     assert ids == reference
     assert core.fusion.metrics.proposed.labels("tiny")._value.get() > proposed
+
+
+async def test_single_fusion_goes_on_with_the_requests_other_drafter(core, reference):
+    # single fusion drafts with one drafter a round; when it dies, the request's other drafter takes the rounds
+    proposed = core.fusion.metrics.proposed.labels("ngram")._value.get()
+    ids, _ = await stream(core.router, on_first=lambda: core.drafters["tiny"].signal(signal.SIGKILL),
+                          speculation={"drafters": ["tiny", "ngram"], "fusion": common_pb2.FUSION_MODE_SINGLE})
+    assert ids == reference
+    assert dropped(core, "tiny") >= 1
+    assert core.fusion.metrics.proposed.labels("ngram")._value.get() > proposed

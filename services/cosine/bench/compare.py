@@ -288,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     # (at exactly 16 clients and the default 16 slots, the verifier refuses some requests: RESOURCE_EXHAUSTED)
     slots = str(max(16, max(args.concurrency or [1]) + 8, len(workload) + 8 if args.rate else 0))
     os.environ["COSINE_VERIFIER_MAX_SLOTS"] = os.environ["COSINE_DRAFTER_MAX_REQUESTS"] = slots
+    os.environ["COSINE_ROUTER_MAX_STREAMS"] = slots  # the router admits what the verifier holds
     os.environ.setdefault("COSINE_VERIFIER_MAX_CONTEXT", "2048")  # bounds the preallocated KV memory of those slots
     spec = ClusterSpec(router_port=free_port(), drafters=drafter_specs)
     notes.append(f"cores: systems ran one after another on {os.cpu_count()} CPUs; transformers baselines in the bench process "

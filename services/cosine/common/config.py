@@ -71,6 +71,8 @@ class ModelSettings(ServiceSettings):
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
     dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (fp32 on CPU, bf16 on CUDA)")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default)")
+    wedged_after_s: float = Field(300.0, ge=0, description=(
+        "liveness reports NOT_SERVING while one model call has run this long (a wedged model thread; 0: off)"))
 
     @model_validator(mode="after")
     def _check_dtype(self) -> "ModelSettings":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
@@ -154,15 +155,31 @@ class GrpcService:
         await self._set_ready(True)
         log.info("%s ready", self.name)
 
-    def watch_readiness(self, what: str, check: Callable[[], Awaitable[bool]], interval_s: float) -> None:
+    def watch_readiness(self, what: str, check: Callable[[], Awaitable[bool] | bool], interval_s: float) -> None:
         """Readiness follows a dependency: NOT_SERVING while ``check()`` says False, SERVING again when it
         says True (never after stop() began)."""
+        self._watch(what, check, interval_s, lambda: self._ready, self._set_ready, "ready", "not ready")
+
+    def watch_liveness(self, what: str, check: Callable[[], Awaitable[bool] | bool], interval_s: float) -> None:
+        """Liveness follows ``check()`` (say, a model thread that stopped answering): NOT_SERVING tells the
+        orchestrator to restart the process."""
+        state = {"live": True}
+
+        async def set_live(live: bool) -> None:
+            state["live"] = live
+            await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._watch(what, check, interval_s, lambda: state["live"], set_live, "live", "not live")
+
+    def _watch(self, what, check, interval_s, current, apply, good: str, bad: str) -> None:
         async def watch():
             while not self._stopping:
-                ok = await check()
-                if not self._stopping and ok != self._ready:
-                    await self._set_ready(ok)
-                    (log.info if ok else log.warning)("%s %s: %s", self.name, "ready" if ok else "not ready", f"{what} is {'back' if ok else 'unreachable'}")
+                ok = check()
+                if inspect.isawaitable(ok):
+                    ok = await ok
+                if not self._stopping and bool(ok) != current():
+                    await apply(bool(ok))
+                    (log.info if ok else log.warning)("%s %s: %s %s", self.name, good if ok else bad, what,
+                                                      "is fine again" if ok else "failed its check")
                 await asyncio.sleep(interval_s)
         self._watches.append(asyncio.get_running_loop().create_task(watch()))
 

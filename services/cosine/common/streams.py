@@ -56,12 +56,20 @@ class ModelWorker:
         self._busy = busy_seconds
         self._queue = queue_depth
         self.pending = 0  # calls queued or running (read on the event loop's thread)
+        self._running_since: float | None = None  # time.monotonic() when the call now running began
+
+    def running_for(self) -> float:
+        """Seconds the call now running has run (0 when idle): a wedged model thread shows here."""
+        since = self._running_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def _timed(self, fn: Callable[..., T], *args: Any) -> T:
         started = time.perf_counter()
+        self._running_since = time.monotonic()
         try:
             return fn(*args)
         finally:
+            self._running_since = None
             if self._busy is not None:
                 self._busy.inc(time.perf_counter() - started)
             if self._queue is not None:

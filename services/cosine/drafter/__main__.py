@@ -93,6 +93,9 @@ async def serve(settings: DrafterSettings) -> GrpcService:
     service.servicer = servicer
     await service.start()
     await service.set_ready()
+    if settings.wedged_after_s:
+        service.watch_liveness("the model thread", lambda: worker.running_for() < settings.wedged_after_s,
+                               min(5.0, settings.wedged_after_s / 2))
     return service
 
 

@@ -272,9 +272,10 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         outside = [n for n in names if n not in req.names]
         if outside:
             raise invalid(f"round names drafter(s) {outside} the open did not: {req.names}")
-        names = req.active(names)  # dropped drafters are left out: an empty list drafts nothing (plain decoding)
-        if req.mode == "single":
-            names = names[:1]
+        if req.mode == "single":  # one drafter: the one named, else (dropped) the first of the request's still in use
+            names = (req.active(names) or req.active(req.names))[:1]
+        else:
+            names = req.active(names)  # dropped drafters are left out: an empty list drafts nothing (plain decoding)
         depth = round_msg.depth
         budget = round_msg.budget or max(depth, 1) * max(len(names), 1)
         ahead = list(round_msg.context_token_ids)  # drafting ahead: continue from these uncommitted tokens

@@ -1,0 +1,64 @@
+"""The verifier SIGKILLed mid-stream with no second replica: the stream ends UNAVAILABLE within 5 s, the
+tokens it got are the target's own, and the message names no internal address. (Failover to another
+replica is not built yet.)"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+
+import grpc
+
+from cosine.cluster import free_port
+from cosine.drafter.__main__ import DrafterSettings
+from cosine.drafter.__main__ import serve as serve_drafter
+from cosine.fusion.__main__ import FusionSettings
+from cosine.fusion.__main__ import serve as serve_fusion
+from cosine.router.__main__ import RouterSettings
+from cosine.router.__main__ import serve as serve_router
+from cosine.scheduler.__main__ import SchedulerSettings
+from cosine.scheduler.__main__ import serve as serve_scheduler
+from tests.faults.conftest import Proc, assert_no_address, generate
+
+COMMON = {"port": 0, "drain_timeout_s": 0.5, "log_level": "WARNING"}
+PROMPT = "SELECT * FROM users WHERE"
+
+
+async def test_verifier_sigkilled_mid_stream_is_unavailable_within_5s(tiny_dirs, redis_server, greedy):
+    port = free_port()
+    verifier = Proc("verifier", [sys.executable, "-m", "cosine.verifier", "--port", str(port), "--model", str(tiny_dirs["target"]),
+                                 "--threads", "1", "--log-level", "WARNING"], port).start()
+    s = {}
+    try:
+        s["drafter"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
+        s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
+        s["scheduler"] = await serve_scheduler(SchedulerSettings(verifier=verifier.address, fusion=f"127.0.0.1:{s['fusion'].port}",
+                                                                 redis_url=redis_server, startup_timeout_s=30, **COMMON))
+        s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
+                                                        model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
+        router = f"127.0.0.1:{s['router'].port}"
+        killed = []
+
+        def kill():
+            killed.append(time.perf_counter())
+            verifier.signal(signal.SIGKILL)
+
+        ids, final, err = await generate(router, PROMPT, 256, on_first=kill, speculation={"disabled": True})
+        ended = time.perf_counter()
+        assert killed and err is not None, "the kill did not hit the stream"
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert ended - killed[0] < 5
+        assert ids == greedy(PROMPT, 256)[: len(ids)]
+        assert_no_address(err.details())
+        assert str(port) not in err.details()
+        # a new request while the verifier is gone: UNAVAILABLE at once, no address either
+        started = time.perf_counter()
+        _, _, err = await generate(router, PROMPT, 8)
+        assert err is not None and err.code() == grpc.StatusCode.UNAVAILABLE and time.perf_counter() - started < 5
+        assert_no_address(err.details())
+    finally:
+        for name in ("router", "scheduler", "fusion", "drafter"):
+            if name in s:
+                await s[name].stop()
+        verifier.kill()
