@@ -361,7 +361,9 @@ class SuffixDrafter(Drafter):
                    context: Sequence[int] = ()) -> DraftTree:
         """A tree of up to `budget` nodes, at most min(depth, spec_factor · L) deep: the most probable paths
         first (best-first by path probability, none below min_prob), each node's probability its own
-        continuation's `confidence`. Node 0.. is the most frequent chain's first node (parents first)."""
+        continuation's `confidence`; parents come first and each node's first child is its most frequent
+        continuation, so `DraftTree.main_chain` is the most frequent path. Unlike `draft`, the tree grows from the
+        root match only (no matching again where its occurrences run out)."""
         req = self._reqs[request_id]
         query = self._query(req, committed, context)
         tree = DraftTree()

@@ -119,7 +119,8 @@ def test_counts_set_branches_and_confidence():
     tree = d.draft_tree("r", [], depth=2, budget=8)
     assert tree.tokens[0] == 1 and tree.parents[0] == -1
     assert set(zip(tree.tokens, tree.parents)) >= {(1, -1), (2, -1)}
-    assert max(tree.depths()) == 2  # a 2-token match speculates 2 deep
+    assert max(tree.depths()) == 2  # as deep as asked (the 2-token match would allow 4)
+    assert [tree.tokens[i] for i in tree.main_chain()] == d.draft("r", [], 2)[0]
 
 
 @settings(max_examples=60, deadline=None)
@@ -134,7 +135,7 @@ def test_depth_grows_with_the_match_length(length, factor):
     chain, _ = d.draft("r", [], 32)
     assert chain == text[10 + length: 10 + length + min(32, math.ceil(factor * length))]
     tree = d.draft_tree("r", [], 32, budget=64)
-    assert len(tree) == len(chain) and tree.is_chain()
+    assert len(tree) == len(chain) and tree.is_chain() and tree.tokens == chain
 
 
 def _held(index: SuffixIndex) -> list[list[int]]:
