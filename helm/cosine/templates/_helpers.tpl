@@ -119,6 +119,26 @@ and spreads calls over them (round_robin, cosine.common.server.channel_options).
 {{- end -}}
 {{- end -}}
 
+{{/* The pods of a role the chart starts with: autoscaling.minReplicas when it autoscales (a skipped ScaledObject also
+runs it at minReplicas), else replicas. (the role's values) */}}
+{{- define "cosine.startPods" -}}
+{{- ternary .autoscaling.minReplicas .replicas .autoscaling.enabled | int -}}
+{{- end -}}
+
+{{/* Admission of one router pod (COSINE_ROUTER_MAX_STREAMS): router.maxStreams, or when "auto"
+floor(verifier KV slots x verifier pods / router pods), at least 1 (formula in values.yaml and the chart README). */}}
+{{- define "cosine.routerMaxStreams" -}}
+{{- $m := .Values.router.maxStreams -}}
+{{- if or (kindIs "invalid" $m) (eq (toString $m) "auto") -}}
+{{- $slots := include "cosine.verifierSlots" . | int -}}
+{{- $verifiers := include "cosine.startPods" .Values.verifier | int -}}
+{{- $routers := max 1 (include "cosine.startPods" .Values.router | int) -}}
+{{- max 1 (div (mul $slots $verifiers) $routers) -}}
+{{- else -}}
+{{- int $m -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The image of a role: (dict "root" $ "cfg" $cfg) */}}
 {{- define "cosine.image" -}}
 {{- $img := deepCopy .root.Values.image -}}

@@ -251,7 +251,7 @@ def test_network_policy_is_default_deny_with_the_service_flows(renders):
 
 def test_service_monitors_scrape_the_metrics_port_and_keep_service_labels(renders):
     monitors = [d for d in renders["default"] if d["kind"] == "ServiceMonitor"]
-    assert len(monitors) == 6
+    assert len(monitors) == 7  # router, scheduler, fusion, verifier, three drafters
     for m in monitors:
         assert m["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "15s", "honorLabels": True}]
     gpu = [d for d in renders["gpu-pools"] if d["kind"] == "ServiceMonitor"]
@@ -279,6 +279,11 @@ BAD_VALUES = [
     ("root allowed", {"securityContext": {"runAsNonRoot": False}}),
     ("metric without target", {"verifier": {"autoscaling": {"metrics": [{"name": "q", "query": "up"}]}}}),
     ("bad digest", {"image": {"digest": "latest"}}),
+    ("redis maxMemory not a Redis size", {"redis": {"maxMemory": "lots"}}),
+    ("negative suffix memory", {"drafters": [{"name": "suffix", "kind": "suffix", "memoryTokens": -1}]}),
+    ("maxStreams neither auto nor a count", {"router": {"maxStreams": "many"}}),
+    ("negative maxStreams", {"router": {"maxStreams": -1}}),
+    ("zero Redis timeout", {"scheduler": {"redisTimeoutSeconds": 0}}),
 ]
 
 

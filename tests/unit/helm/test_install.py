@@ -185,7 +185,7 @@ def test_autoscaling_queries_are_scoped_to_the_release_namespace():
     out = render_raw({}, CRD_APIS)
     docs = [d for t, text in out.items() if not t.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if isinstance(d, dict)]
     queries = [t["metadata"]["query"] for d in docs if d.get("kind") == "ScaledObject" for t in d["spec"]["triggers"]]
-    assert len(queries) == 4
+    assert len(queries) == 5  # the verifier's two, one per drafter
     assert all(f'namespace="{NAMESPACE}"' in q and "NAMESPACE" not in q and "DRAFTER" not in q for q in queries), queries
 
 
@@ -282,6 +282,134 @@ def test_host_path_cache_is_handed_to_the_pods_user(renders):
         assert any(v.get("hostPath", {}).get("path") == "/var/lib/cosine/cache" for v in spec["volumes"])
     for component in ("router", "verifier"):
         assert "own-models" not in [c["name"] for c in pod_specs(renders["default"])[component].get("initContainers", [])]
+
+
+# ---- drafters: suffix by default, no weights for the model-free kinds
+
+
+def test_suffix_is_the_default_drafter_and_loads_no_weights(renders, monkeypatch):
+    from cosine.drafter.__main__ import DrafterSettings, build
+    from cosine.engine.suffix import SuffixDrafter
+
+    for name in ("default", "gpu-pools", "cpu-only"):
+        docs = renders[name]
+        specs = pod_specs(docs)
+        assert yaml.safe_load(env_of(specs["router"]["containers"][0])["COSINE_ROUTER_DEFAULT_DRAFTERS"]) == ["suffix"], name
+        assert {"drafter-suffix", "drafter-ngram"} <= set(specs), name  # ngram stays deployed for requests that name it
+        for kind in ("suffix", "ngram"):
+            spec = specs[f"drafter-{kind}"]
+            container = spec["containers"][0]
+            # model-free: no model preparation, no model volume of its own, no GPU, no egress to the package index
+            assert "initContainers" not in spec, (name, kind)
+            assert next(v for v in spec["volumes"] if v["name"] == "models")["emptyDir"]["sizeLimit"] == "256Mi"
+            assert "nvidia.com/gpu" not in container["resources"].get("limits", {}), (name, kind)
+            policy = next(d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == f"cosine-drafter-{kind}")
+            assert all(p.get("port") != 443 for rule in policy["spec"].get("egress", []) for p in rule.get("ports", [])), (name, kind)
+        assert "COSINE_DRAFTER_MEMORY_TOKENS" not in env_of(specs["drafter-ngram"]["containers"][0])
+    # the rendered settings build the service's own drafter: a suffix drafter whose global memory has the value's bound
+    for tokens in (131072, 4096, 0):
+        values = {} if tokens == 131072 else {"drafterDefaults": {"memoryTokens": tokens}}
+        container = deployment(render(values, []), "drafter-suffix")["spec"]["template"]["spec"]["containers"][0]
+        with monkeypatch.context() as m:
+            for k, v in env_of(container).items():
+                if v is not None:
+                    m.setenv(k, v)
+            settings = DrafterSettings()
+        assert (settings.kind, settings.name, settings.memory_tokens) == ("suffix", "suffix", tokens)
+        drafter, tok_hash = build(settings)
+        assert isinstance(drafter, SuffixDrafter) and tok_hash == ""
+        assert (drafter.memory.max_tokens if drafter.memory is not None else 0) == tokens
+
+
+def test_default_drafters_must_be_deployed():
+    # e.g. a values file written before suffix existed, listing its own drafters
+    with pytest.raises(Exception, match="router.defaultDrafters names \"suffix\", which is not among drafters"):
+        render({"drafters": [{"name": "ngram", "kind": "ngram"}]}, [])
+    docs = render({"drafters": [{"name": "ngram", "kind": "ngram"}], "router": {"defaultDrafters": ["ngram"]}}, [])
+    assert env_of(pod_specs(docs)["router"]["containers"][0])["COSINE_ROUTER_DEFAULT_DRAFTERS"] == '["ngram"]'
+
+
+# ---- admission and Redis
+
+
+def router_max_streams(values, monkeypatch) -> int:
+    from cosine.router.__main__ import RouterSettings
+
+    env = env_of(pod_specs(render(values, []))["router"]["containers"][0])
+    with monkeypatch.context() as m:
+        m.setenv("COSINE_ROUTER_MAX_STREAMS", env["COSINE_ROUTER_MAX_STREAMS"])
+        return RouterSettings().max_streams
+
+
+@pytest.mark.parametrize("values,slots,verifiers,routers", [
+    ({}, 136, 1, 2),  # autoscaled: the minimum pods of each role
+    ({"verifier": {"maxSlots": 64, "autoscaling": {"enabled": False}, "replicas": 3}, "router": {"autoscaling": {"minReplicas": 4}}},
+     64, 3, 4),
+    ({"verifier": {"maxSlots": 5}, "router": {"autoscaling": {"enabled": False}, "replicas": 6}}, 5, 1, 6),
+    ({"verifier": {"maxSlots": 1}, "router": {"autoscaling": {"minReplicas": 3}}}, 1, 1, 3),  # at least 1
+])
+def test_router_admission_is_the_verifiers_slots_shared_by_the_routers(values, slots, verifiers, routers, monkeypatch):
+    env = verifier_env(values)
+    assert int(env["COSINE_VERIFIER_MAX_SLOTS"]) == slots
+    assert router_max_streams(values, monkeypatch) == max(1, slots * verifiers // routers)
+
+
+def test_router_admission_can_be_set_or_turned_off(monkeypatch):
+    assert router_max_streams({"router": {"maxStreams": 40}}, monkeypatch) == 40
+    assert router_max_streams({"router": {"maxStreams": 0}}, monkeypatch) == 0
+    for example in ("cpu-only", "gpu-pools"):
+        values = helm.Chart.load(CHART).merge_values(load_values(example))
+        slots = int(verifier_env(load_values(example))["COSINE_VERIFIER_MAX_SLOTS"])
+        routers = values["router"]["autoscaling"]["minReplicas"]
+        assert router_max_streams(load_values(example), monkeypatch) == max(1, slots * values["verifier"]["autoscaling"]["minReplicas"] // routers)
+
+
+def test_scheduler_redis_timeout_reaches_its_settings(monkeypatch):
+    from cosine.scheduler.__main__ import SchedulerSettings
+
+    for value in (2, 0.5):
+        env = env_of(pod_specs(render({"scheduler": {"redisTimeoutSeconds": value}}, []))["scheduler"]["containers"][0])
+        with monkeypatch.context() as m:
+            m.setenv("COSINE_SCHEDULER_REDIS_TIMEOUT_S", env["COSINE_SCHEDULER_REDIS_TIMEOUT_S"])
+            assert SchedulerSettings().redis_timeout_s == value
+
+
+def test_bundled_redis_is_bounded_and_refuses_writes_instead_of_evicting(tmp_path):
+    """The rendered redis-server arguments, run by a real redis-server: at the limit a write is refused and
+    the keys already there (running requests' state) are all kept."""
+    import redis
+
+    docs = render({"redis": {"maxMemory": "2mb"}}, [])
+    args = next(d for d in docs if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--maxmemory") + 1] == "2mb" and args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    default_args = next(d for d in render({}, []) if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert default_args[default_args.index("--maxmemory") + 1] == helm.Chart.load(CHART).values["redis"]["maxMemory"] == "256mb"
+    port = _free_port()
+    args[args.index("--port") + 1] = str(port)
+    args[args.index("--dir") + 1] = str(tmp_path)
+    proc = subprocess.Popen([shutil.which("redis-server"), *args, "--bind", "127.0.0.1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
+        written = 0
+        with pytest.raises(redis.exceptions.OutOfMemoryError):
+            for written in range(10_000):
+                client.set(f"req:{written}", b"x" * 1024)
+        assert written > 100  # it held some state first
+        assert client.dbsize() == written  # nothing evicted
+        assert client.get("req:0") == b"x" * 1024
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
 
 
 # ---- the API key
