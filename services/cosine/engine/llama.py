@@ -15,8 +15,11 @@ the caller decides afterwards what length to keep (see NativeTarget).
 
 Per layer the work is a handful of large ops: q/k/v as one matmul, RoPE on q
 and k together, the KV write, one SDPA call with the query heads of a KV group
-folded into the query length (no repeated K/V), o, and gate/up as one matmul.
-Tokens are packed (no padding) everywhere except inside attention.
+folded into the query length (no repeated K/V), then o, gate, up and down. On
+CPU with oneDNN's prepacked weights the small ops ride inside the matmuls as
+post-ops: o and down add the residual, gate applies SiLU, up multiplies by the
+gate; elsewhere (CUDA, `linear="torch"`) gate/up is one matmul and the small ops
+run separately. Tokens are packed (no padding) everywhere except inside attention.
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
 
 
 class _Layer:
-    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b", "down_w", "down_b")
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b", "gate_w", "gate_b", "up_w",
+                 "up_b", "down_w", "down_b")
 
 
 class NativeLlama:
@@ -196,9 +200,15 @@ class NativeLlama:
                 L.qkv_b = None
             L.o_w = self._pack(w(p + "self_attn.o_proj.weight"))
             L.o_b = opt(p + "self_attn.o_proj.bias")
-            L.gate_up_w = self._pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous())
             gb, ub = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
-            L.gate_up_b = torch.cat([gb, ub]).contiguous() if gb is not None else None
+            if self.packed:  # gate with SiLU fused, up with the product fused: no gate/up intermediate
+                L.gate_w, L.gate_b = self._pack(w(p + "mlp.gate_proj.weight")), gb
+                L.up_w, L.up_b = self._pack(w(p + "mlp.up_proj.weight")), ub
+                L.gate_up_w = L.gate_up_b = None
+            else:
+                L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
+                L.gate_up_b = torch.cat([gb, ub]).contiguous() if gb is not None else None
+                L.gate_w = L.gate_b = L.up_w = L.up_b = None
             L.down_w = self._pack(w(p + "mlp.down_proj.weight"))
             L.down_b = opt(p + "mlp.down_proj.bias")
             self.layers.append(L)
@@ -221,8 +231,10 @@ class NativeLlama:
     # -- loading ----------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
                         max_positions: int | None = None, linear: str = "auto") -> "NativeLlama":
+        """dtype: a torch dtype or its name; "auto" is bf16 where it is fast (see models.resolve_dtype).
+        The default, float32, is the arithmetic `transformers` uses, so outputs compare token for token."""
         from transformers import AutoConfig
 
         path = Path(path)
@@ -232,7 +244,7 @@ class NativeLlama:
         if isinstance(dtype, str):
             from cosine.engine.models import resolve_dtype
 
-            dtype = resolve_dtype(dtype, device)
+            dtype = resolve_dtype(dtype, device, engine="native")
         spec = spec_from_config(config)
         return cls(spec, _load_state_dict(path), config, device=device, dtype=dtype, max_positions=max_positions,
                    linear=linear)
@@ -335,18 +347,22 @@ class NativeLlama:
         row_t = None if dense else torch.tensor(flat_row, device=dev)
 
         # Mask [R, 1, T, L]: keys < start are the cached prefix; new keys by causality or tree ancestry.
-        starts_r = [0] * R
-        for st, r in zip(starts, rows):
-            starts_r[r] = st
-        st_t = torch.tensor(starts_r, device=dev)
-        key = torch.arange(L, device=dev)
-        qpos = st_t[:, None] + torch.arange(T, device=dev)[None, :]  # storage index of each query row
-        mask = key[None, None, :] <= qpos[:, :, None]  # causal, [R, T, L]
-        for q, st, n, r in zip(batch, starts, lengths, rows):
-            if q.parents is not None:
-                mask[r, :n, st:st + n] = ancestor_mask(tuple(q.parents)).to(dev)
-        mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+        # One new token per row, every row as long: each sees all L keys, so no mask at all.
+        if dense and T == 1 and all(st == L - 1 for st in starts):
+            bias = None
+        else:
+            starts_r = [0] * R
+            for st, r in zip(starts, rows):
+                starts_r[r] = st
+            st_t = torch.tensor(starts_r, device=dev)
+            key = torch.arange(L, device=dev)
+            qpos = st_t[:, None] + torch.arange(T, device=dev)[None, :]  # storage index of each query row
+            mask = key[None, None, :] <= qpos[:, :, None]  # causal, [R, T, L]
+            for q, st, n, r in zip(batch, starts, lengths, rows):
+                if q.parents is not None:
+                    mask[r, :n, st:st + n] = ancestor_mask(tuple(q.parents)).to(dev)
+            mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
+            bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
 
         # Row of each new token's (kv head) in a layer's cache viewed as [slots * nkv * max_len, hd].
         kv_index = ((slot_t[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * cache.max_len
@@ -374,11 +390,14 @@ class NativeLlama:
         nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
         nrep = nh // nkv
         half = hd // 2
+        fused = self.packed
+        lp = torch.ops.mkldnn._linear_pointwise if fused else None
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer.ln1)
             qkv = self._lin(h, layer.qkv_w, layer.qkv_b)  # [N, (nh + 2 nkv) hd]
             qk = qkv[:, : qsz + kvsz].view(N, nh + nkv, hd)
-            qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin)
+            # RoPE on q and k together: rotate_half(x) * sin == (x with its halves swapped) * sin_signed
+            qk = torch.addcmul(qk * cos, qk.view(N, nh + nkv, 2, half).flip(2).view(N, nh + nkv, hd), sin)
             k_new = qk[:, nh:]
             v_new = qkv[:, qsz + kvsz:].view(N, nkv, hd)
             kl, vl = cache.k[li], cache.v[li]  # [slots, nkv, max_len, hd], contiguous
@@ -402,11 +421,18 @@ class NativeLlama:
             o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
             if not dense:
                 o = o[row_t]
-            x = x + self._lin(o, layer.o_w, layer.o_b)
-            h = self._rms(x, layer.ln2)
-            gu = self._lin(h, layer.gate_up_w, layer.gate_up_b)
-            g, u = gu.split(s.intermediate_size, dim=-1)
-            x = x + self._lin(F.silu(g) * u, layer.down_w, layer.down_b)
+            if fused:  # oneDNN post-ops: the residual add, SiLU and the gate * up product inside the matmuls
+                x = lp.binary(o.contiguous(), x, layer.o_w, layer.o_b, "add")
+                h = self._rms(x, layer.ln2)
+                g = lp(h, layer.gate_w, layer.gate_b, "swish", [], "")
+                a = lp.binary(h, g, layer.up_w, layer.up_b, "mul")
+                x = lp.binary(a, x, layer.down_w, layer.down_b, "add")
+            else:
+                x = x + self._lin(o, layer.o_w, layer.o_b)
+                h = self._rms(x, layer.ln2)
+                gu = self._lin(h, layer.gate_up_w, layer.gate_up_b)
+                g, u = gu.split(s.intermediate_size, dim=-1)
+                x = x + self._lin(F.silu(g) * u, layer.down_w, layer.down_b)
         return x
 
     def _finish(self, x, batch, cache, starts, lengths, N):
