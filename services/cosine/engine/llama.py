@@ -15,11 +15,11 @@ the caller decides afterwards what length to keep (see NativeTarget).
 
 Per layer the work is a handful of large ops: q/k/v as one matmul, RoPE on q
 and k together, the KV write, one SDPA call with the query heads of a KV group
-folded into the query length (no repeated K/V), then o, gate, up and down. On
-CPU with oneDNN's prepacked weights the small ops ride inside the matmuls as
-post-ops: o and down add the residual, gate applies SiLU, up multiplies by the
-gate; elsewhere (CUDA, `linear="torch"`) gate/up is one matmul and the small ops
-run separately. Tokens are packed (no padding) everywhere except inside attention.
+folded into the query length (no repeated K/V), o, gate/up as one matmul, down.
+On CPU with oneDNN's prepacked weights the residual adds ride inside the o and
+down matmuls as post-ops. A step of one token per row at equal lengths runs
+attention without a mask. Tokens are packed (no padding) everywhere except
+inside attention.
 """
 
 from __future__ import annotations
@@ -150,8 +150,7 @@ def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
 
 
 class _Layer:
-    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b", "gate_w", "gate_b", "up_w",
-                 "up_b", "down_w", "down_b")
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b", "down_w", "down_b")
 
 
 class NativeLlama:
@@ -200,15 +199,11 @@ class NativeLlama:
                 L.qkv_b = None
             L.o_w = self._pack(w(p + "self_attn.o_proj.weight"))
             L.o_b = opt(p + "self_attn.o_proj.bias")
+            # gate and up as one matmul: measured 5-12% faster here than two with SiLU and the product as
+            # oneDNN post-ops (30 layers, M = 1 and 17, fp32 and bf16)
+            L.gate_up_w = self._pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous())
             gb, ub = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
-            if self.packed:  # gate with SiLU fused, up with the product fused: no gate/up intermediate
-                L.gate_w, L.gate_b = self._pack(w(p + "mlp.gate_proj.weight")), gb
-                L.up_w, L.up_b = self._pack(w(p + "mlp.up_proj.weight")), ub
-                L.gate_up_w = L.gate_up_b = None
-            else:
-                L.gate_up_w = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
-                L.gate_up_b = torch.cat([gb, ub]).contiguous() if gb is not None else None
-                L.gate_w = L.gate_b = L.up_w = L.up_b = None
+            L.gate_up_b = torch.cat([gb, ub]).contiguous() if gb is not None else None
             L.down_w = self._pack(w(p + "mlp.down_proj.weight"))
             L.down_b = opt(p + "mlp.down_proj.bias")
             self.layers.append(L)
@@ -271,6 +266,14 @@ class NativeLlama:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
+
+    def _lin_add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(x): on the prepacked path the add is a oneDNN post-op inside the matmul
+        (fp32: the same numbers; bf16: one rounding instead of two)."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, weight, bias, "add")
+        return residual + F.linear(x, weight, bias)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm with transformers' arithmetic (in float32), in place where it is safe."""
@@ -390,8 +393,6 @@ class NativeLlama:
         nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
         nrep = nh // nkv
         half = hd // 2
-        fused = self.packed
-        lp = torch.ops.mkldnn._linear_pointwise if fused else None
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer.ln1)
             qkv = self._lin(h, layer.qkv_w, layer.qkv_b)  # [N, (nh + 2 nkv) hd]
@@ -421,18 +422,11 @@ class NativeLlama:
             o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
             if not dense:
                 o = o[row_t]
-            if fused:  # oneDNN post-ops: the residual add, SiLU and the gate * up product inside the matmuls
-                x = lp.binary(o.contiguous(), x, layer.o_w, layer.o_b, "add")
-                h = self._rms(x, layer.ln2)
-                g = lp(h, layer.gate_w, layer.gate_b, "swish", [], "")
-                a = lp.binary(h, g, layer.up_w, layer.up_b, "mul")
-                x = lp.binary(a, x, layer.down_w, layer.down_b, "add")
-            else:
-                x = x + self._lin(o, layer.o_w, layer.o_b)
-                h = self._rms(x, layer.ln2)
-                gu = self._lin(h, layer.gate_up_w, layer.gate_up_b)
-                g, u = gu.split(s.intermediate_size, dim=-1)
-                x = x + self._lin(F.silu(g) * u, layer.down_w, layer.down_b)
+            x = self._lin_add(o, layer.o_w, layer.o_b, x)
+            h = self._rms(x, layer.ln2)
+            gu = self._lin(h, layer.gate_up_w, layer.gate_up_b)
+            g, u = gu.split(s.intermediate_size, dim=-1)
+            x = self._lin_add(F.silu(g) * u, layer.down_w, layer.down_b, x)
         return x
 
     def _finish(self, x, batch, cache, starts, lengths, N):
