@@ -23,8 +23,7 @@ def _free_port() -> int:
 def cluster(target_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cluster-run")
     port = _free_port()
-    # fp32: the tests compare with `transformers` in fp32 token for token (--dtype auto may pick bf16)
-    env = dict(os.environ, COSINE_RUN_DIR=str(run_dir), COSINE_VERIFIER_DTYPE="float32", COSINE_DRAFTER_DTYPE="float32")
+    env = dict(os.environ, COSINE_RUN_DIR=str(run_dir))
     proc = subprocess.Popen([sys.executable, "-m", "cosine.cli", "up", "--port", str(port), "--timeout", "400"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     address = f"127.0.0.1:{port}"

@@ -32,12 +32,9 @@ async def start_services(tiny_dirs, redis_url: str, **extra) -> LocalServices:
     """Every service on port 0; `extra` settings go to all of them (e.g. trace_exporter="memory")."""
     started = {}
     common = {"port": 0, "drain_timeout_s": 1.0, "metrics_port": 0, **extra}
-    # fp32: these tests compare outputs token for token with `transformers` in fp32 (--dtype auto may pick bf16)
-    started["verifier"] = await serve_verifier(VerifierSettings(model=str(tiny_dirs["target"]), threads=1,
-                                                                dtype="float32", **common))
+    started["verifier"] = await serve_verifier(VerifierSettings(model=str(tiny_dirs["target"]), threads=1, **common))
     started["drafter-ngram"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **common))
-    started["drafter-tiny"] = await serve_drafter(DrafterSettings(name="tiny", kind="lm", model=str(tiny_dirs["drafter"]), threads=1,
-                                                                  dtype="float32", **common))
+    started["drafter-tiny"] = await serve_drafter(DrafterSettings(name="tiny", kind="lm", model=str(tiny_dirs["drafter"]), threads=1, **common))
     endpoints = f"ngram=127.0.0.1:{started['drafter-ngram'].port},tiny=127.0.0.1:{started['drafter-tiny'].port}"
     started["fusion"] = await serve_fusion(FusionSettings(drafters=endpoints, **common))
     started["scheduler"] = await serve_scheduler(SchedulerSettings(

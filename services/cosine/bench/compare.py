@@ -168,8 +168,8 @@ def build_args(argv):
     p.add_argument("--json", dest="json_path", default=None, help="write the report here, and the PNG plots next to it")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
                    help="weights of the cluster's verifier and LM drafters and of llama-cpp's GGUF (auto: the services' "
-                        "choice, bf16 on CPUs with AMX or AVX512-BF16); identical_outputs compare with target-only's "
-                        "fp32 output, so they only hold in float32")
+                        "default, fp32 on CPU); identical_outputs compare with target-only's fp32 output, so they only "
+                        "hold in float32")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary for the llama-cpp system (else $COSINE_LLAMA_SERVER, else PATH)")
     p.add_argument("--llama-gguf", default=None,
@@ -427,7 +427,7 @@ def _native_dtype(name: str) -> str:
     """The dtype the native engine runs for a --dtype setting on this machine's CPU, by name."""
     from cosine.engine.models import resolve_dtype
 
-    return str(resolve_dtype(name, "cpu", engine="native")).replace("torch.", "")
+    return str(resolve_dtype(name, "cpu")).replace("torch.", "")
 
 
 def run_llama_cpp(args, server, workload, tok, target_dir, points, references, order_and_arrivals, bar, notes) -> list[dict]:

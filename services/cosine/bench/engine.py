@@ -253,8 +253,7 @@ def run(args) -> dict:
             value = ratio(num, den)
             if value is not None:
                 summary[key + suffix] = value
-    auto = {"native": str(resolve_dtype("auto", args.device, engine="native")).replace("torch.", ""),
-            "transformers": str(resolve_dtype("auto", args.device)).replace("torch.", "")}
+    auto = str(resolve_dtype("auto", args.device)).replace("torch.", "")
     return {"model": str(path), "threads": args.threads, "clock": args.clock, "device": args.device, "dtype": args.dtype,
             "auto_dtype": auto, "cpu_bf16_flags": cpu_bf16_flags() if args.device == "cpu" else [],
             "context": args.context, "repeats": args.repeats, "rows": rows, "bookkeeping_us": book,
@@ -270,8 +269,8 @@ def _target_path():
 def format_table(result: dict) -> str:
     lines = [f"model {result['model']}  threads {result['threads']}  clock {result['clock']}  {result['device']}/{result['dtype']}  "
              f"context {result['context']}  median of {result['repeats']}",
-             f"--dtype auto picks: native {result['auto_dtype']['native']}, transformers "
-             f"{result['auto_dtype']['transformers']} (CPU bf16 features: {', '.join(result['cpu_bf16_flags']) or 'none'})",
+             f"--dtype auto picks {result['auto_dtype']}; CPU bf16 features: "
+             f"{', '.join(result['cpu_bf16_flags']) or 'none'}",
              f"{'backend':<13}{'case':<8}{'batch':>6}{'ms':>10}{'min ms':>10}{'× decode b1':>13}{'tok/s':>9}"]
     for r in result["rows"]:
         tps = f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else ""

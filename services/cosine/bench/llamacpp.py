@@ -53,10 +53,10 @@ def find_converter(server: Path) -> Path | None:
     env = os.environ.get("COSINE_LLAMA_CONVERT")
     if env:
         return Path(env) if Path(env).is_file() else None
-    for parent in server.resolve().parents:  # e.g. llama.cpp/build/bin/llama-server → llama.cpp/
-        script = parent / "convert_hf_to_gguf.py"
-        if script.is_file():
-            return script
+    for parent in server.resolve().parents:  # llama.cpp/build/bin/llama-server → llama.cpp/, or a sibling llama.cpp/
+        for script in (parent / "convert_hf_to_gguf.py", parent / "llama.cpp" / "convert_hf_to_gguf.py"):
+            if script.is_file():
+                return script
     return None
 
 

@@ -52,8 +52,7 @@ class ModelSettings(ServiceSettings):
 
     model: str = Field("", description="model directory (or a `cosine zoo` name); empty: the zoo's default")
     device: str = Field("cpu", description="torch device: cpu, cuda, cuda:1, ...")
-    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (bf16 on CUDA and, for the native engine, on "
-                       "CPUs with AMX or AVX512-BF16; fp32 otherwise)")
+    dtype: str = Field("auto", description="float32, bfloat16, float16 or auto (fp32 on CPU, bf16 on CUDA)")
     threads: int = Field(0, ge=0, description="torch intra-op threads (0: torch's default)")
 
     @model_validator(mode="after")

