@@ -34,7 +34,7 @@ def test_auto_uses_the_fused_post_ops_on_cpu(tiny_models):
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_uniform_decode_batch_equals_transformers(tiny_models, hf_models, name, batch):
-    """Equal-length rows, one token each: the step that runs without an attention mask."""
+    """Equal-length rows, one token each (plain decoding of a batch) through the fused residual adds."""
     rng = random.Random(batch)
     hf = hf_models[name]
     vocab = hf.config.vocab_size
