@@ -3,6 +3,9 @@
 Same machine, same run, same prompts, same target weights, greedy. Systems (exact names):
 
   target-only       transformers generate(); batch 1 at concurrency 1, static batches of C at concurrency C
+  llama-cpp         llama.cpp's server on the same weights as GGUF in the same precision (optional: runs
+                    where a llama-server binary is given with --llama-server or COSINE_LLAMA_SERVER;
+                    skipped with a note otherwise; see cosine/bench/llamacpp.py)
   hf-assisted       transformers assisted generation with the best single LM drafter (batch 1 only)
   hf-prompt-lookup  transformers prompt-lookup decoding, prompt_lookup_num_tokens (batch 1 only)
   cosine-plain      the cluster with speculation disabled: the native engine alone (for reference)
@@ -63,7 +66,8 @@ from cosine.bench import stats as S
 HF_SYSTEMS = ("target-only", "hf-assisted", "hf-prompt-lookup")
 CLUSTER_SYSTEMS = ("cosine-plain", "vanilla-sd", "no-routing", "no-fusion", "merge-fusion", "no-pipeline", "fixed-depth",
                    "cosine-full")
-ALL_SYSTEMS = HF_SYSTEMS + CLUSTER_SYSTEMS
+PEER_SYSTEMS = ("llama-cpp",)
+ALL_SYSTEMS = HF_SYSTEMS + PEER_SYSTEMS + CLUSTER_SYSTEMS
 BATCH1 = ("hf-assisted", "hf-prompt-lookup")
 
 
@@ -162,6 +166,14 @@ def build_args(argv):
     p.add_argument("--sweep-tokens", type=int, default=None, help="new tokens per prompt of the per-drafter sweep (default 48; quick 16; 0: no sweep)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload (use the zoo build's seed) and of the arrivals")
     p.add_argument("--json", dest="json_path", default=None, help="write the report here, and the PNG plots next to it")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "auto"],
+                   help="weights of the cluster's verifier and LM drafters and of llama-cpp's GGUF (auto: the services' "
+                        "default, fp32 on CPU); identical_outputs compare with target-only's fp32 output, so they only "
+                        "hold in float32")
+    p.add_argument("--llama-server", default=None,
+                   help="llama.cpp's llama-server binary for the llama-cpp system (else $COSINE_LLAMA_SERVER, else PATH)")
+    p.add_argument("--llama-gguf", default=None,
+                   help="the target as GGUF in the run's precision (else $COSINE_LLAMA_GGUF, else converted once)")
     args = p.parse_args(argv)
     q = args.quick
     args.per_domain = args.per_domain or (1 if q else 2)
@@ -175,7 +187,7 @@ def build_args(argv):
         p.error(f"unknown system(s) {unknown}; known: {', '.join(ALL_SYSTEMS)}")
     if "target-only" not in args.systems:
         args.systems.insert(0, "target-only")
-    load = args.load_systems if args.load_systems is not None else ("target-only,cosine-plain,vanilla-sd,cosine-full" if q else ",".join(ALL_SYSTEMS))
+    load = args.load_systems if args.load_systems is not None else ("target-only,llama-cpp,cosine-plain,vanilla-sd,cosine-full" if q else ",".join(ALL_SYSTEMS))
     args.load_systems = parse_list(load, str)
     if not args.concurrency and not args.rate:
         p.error("give at least one --concurrency or --rate")
@@ -226,12 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     lm_names = [d.name for d in drafter_specs if d.kind == "lm"]
     best, taus = (args.drafter, {}) if args.drafter else best_lm_drafter(lm_names, domains)
     points = load_points(args)
+    notes: list[str] = []
+    llama_server = None
+    if "llama-cpp" in args.systems:
+        from cosine.bench import llamacpp
+
+        llama_server = llamacpp.find_server(args.llama_server)
+        if llama_server is None:
+            args.systems.remove("llama-cpp")
+            notes.append(f"llama-cpp: skipped, no llama-server binary found; {llamacpp.BUILD_HINT}")
     plan = [(s, pt) for pt in points for s in ALL_SYSTEMS if runs_at(s, pt, args)]
     sweep = [d.name for d in drafter_specs] if args.sweep_tokens > 0 else []
     total = sum(n_requests(pt, len(workload), args) for _, pt in plan) + len(sweep) * len(workload)
     bar = tqdm(total=total, desc="cosine bench", unit="req", mininterval=2.0)
     rows: list[dict] = []
-    notes: list[str] = []
     references: dict[int, list[int]] = {}
     target_dir = path_of(TARGET)
 
@@ -276,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
                         | {"per_request": _per_request(records)})
     del systems, model
     gc.collect()
+    if llama_server is not None:
+        rows += run_llama_cpp(args, llama_server, workload, tok, target_dir, points, references, order_and_arrivals,
+                              bar, notes)
     notes.append("hf-assisted and hf-prompt-lookup: transformers' assisted generation takes batch 1 only, so they run at "
                  "concurrency 1 (and at Poisson rates, one request at a time)")
 
@@ -290,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["COSINE_VERIFIER_MAX_SLOTS"] = os.environ["COSINE_DRAFTER_MAX_REQUESTS"] = slots
     os.environ["COSINE_ROUTER_MAX_STREAMS"] = slots  # the router admits what the verifier holds
     os.environ.setdefault("COSINE_VERIFIER_MAX_CONTEXT", "2048")  # bounds the preallocated KV memory of those slots
+    os.environ["COSINE_VERIFIER_DTYPE"] = os.environ["COSINE_DRAFTER_DTYPE"] = args.dtype
+    notes.append(f"precision: the cluster's verifier and LM drafters --dtype {args.dtype} "
+                 f"({_native_dtype(args.dtype)} here); target-only and the transformers baselines fp32")
     spec = ClusterSpec(router_port=free_port(), drafters=drafter_specs)
     notes.append(f"cores: systems ran one after another on {os.cpu_count()} CPUs; transformers baselines in the bench process "
                  f"with {args.threads} torch threads before the cluster started; the cluster's processes share the same "
@@ -396,6 +422,60 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(json.dumps(doc, indent=2) + "\n")
         print(f"\nreport: {path}" + "".join(f"\nplot:   {w}" for w in doc["plots"]))
     return 0
+
+
+def _native_dtype(name: str) -> str:
+    """The dtype the native engine runs for a --dtype setting on this machine's CPU, by name."""
+    from cosine.engine.models import resolve_dtype
+
+    return str(resolve_dtype(name, "cpu")).replace("torch.", "")
+
+
+def run_llama_cpp(args, server, workload, tok, target_dir, points, references, order_and_arrivals, bar, notes) -> list[dict]:
+    """The llama-cpp system at every load point it runs at: its own server process, started and stopped here."""
+    from cosine.bench import llamacpp
+    from cosine.zoo.registry import cache_root
+
+    outtype = llamacpp.gguf_outtype(_native_dtype(args.dtype))
+    rows: list[dict] = []
+    try:
+        bar.set_postfix_str(f"llama-cpp: GGUF {outtype}")
+        gguf = llamacpp.ensure_gguf(server, target_dir, outtype, cache_root() / "gguf", args.llama_gguf)
+    except (OSError, RuntimeError) as exc:
+        notes.append(f"llama-cpp: skipped, {exc}")
+        return rows
+    parallel = max([c for _, c, _ in points if c] + [1])
+    if args.rate:
+        parallel = max(parallel, len(workload))
+    ids = {i: p.token_ids(tok) for i, p in enumerate(workload)}
+    context = max(len(v) for v in ids.values()) + args.max_new_tokens + 16
+    log = Path(os.environ.get("COSINE_RUN_DIR") or tempfile.mkdtemp(prefix="cosine-bench-llama-")) / "llama-server.log"
+    notes.append(f"llama-cpp: {server} on {gguf.name} ({outtype}), {args.threads} threads, {parallel} slots; log {log}")
+    srv = llamacpp.LlamaServer(server, gguf, args.threads, parallel, context, log)
+    try:
+        bar.set_postfix_str("llama-cpp: starting")
+        srv.start()
+        system = llamacpp.LlamaCppSystem(srv.url, ids)
+        system.warm_up(0)
+        for pt in points:
+            if not runs_at("llama-cpp", pt, args):
+                continue
+            bar.set_postfix_str(f"llama-cpp {_point_label(pt)}")
+            order, arrivals = order_and_arrivals(pt)
+            if pt[0] == "closed":
+                records, wall = system.closed_loop(workload, order, pt[1], args.max_new_tokens, bar)
+            else:
+                records, wall = system.poisson(workload, order, arrivals, args.max_new_tokens, bar)
+            errors = [r.error for r in records if r.error]
+            if errors:
+                notes.append(f"llama-cpp {_point_label(pt)}: {len(errors)} request(s) failed, first: {errors[0]}")
+            rows.append(S.summarise("llama-cpp", records, references, mode=pt[0], concurrency=pt[1], rate=pt[2],
+                                    wall_s=wall) | {"per_request": _per_request(records)})
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        notes.append(f"llama-cpp: stopped, {exc} (see {log})")
+    finally:
+        srv.stop()
+    return rows
 
 
 def _point_label(pt) -> str:

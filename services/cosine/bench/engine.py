@@ -24,19 +24,12 @@ import time
 
 import torch
 
+from cosine.engine.models import cpu_bf16_flags, fast_bf16, resolve_dtype
+
 BATCHES = (1, 8)
 DEFAULT_BACKENDS = "native,transformers,hf_target"
 
 
-def fast_bf16(device: str) -> bool:
-    """bf16 matmuls that beat fp32: CUDA, or a CPU with AMX / AVX512-BF16 (detected, not assumed)."""
-    if device.startswith("cuda"):
-        return True
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
 CASES = (("decode", 0), ("chain4", 4), ("tree16", 16))
 
 
@@ -194,6 +187,9 @@ class HFBench:
 
 def run(args) -> dict:
     torch.set_num_threads(args.threads)
+    # cpu: this thread's CPU time, which a descheduled step does not accrue (one thread only: with more,
+    # the other threads' work would be missed); wall: elapsed time
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     path = args.model or _target_path()
     rng = random.Random(0)
     backends = []
@@ -222,9 +218,9 @@ def run(args) -> dict:
             for b in backends:
                 for kind, n in CASES:
                     drafts = [make_draft(kind, n, rng, vocab) for _ in range(batch)]
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     b.step(drafts)
-                    times.setdefault((b.name, kind, batch), []).append((time.perf_counter() - t0) * 1e3)
+                    times.setdefault((b.name, kind, batch), []).append((clock() - t0) * 1e3)
                     bar.update(1)
     bar.close()
     rows = []
@@ -257,7 +253,9 @@ def run(args) -> dict:
             value = ratio(num, den)
             if value is not None:
                 summary[key + suffix] = value
-    return {"model": str(path), "threads": args.threads, "device": args.device, "dtype": args.dtype,
+    auto = str(resolve_dtype("auto", args.device)).replace("torch.", "")
+    return {"model": str(path), "threads": args.threads, "clock": args.clock, "device": args.device, "dtype": args.dtype,
+            "auto_dtype": auto, "cpu_bf16_flags": cpu_bf16_flags() if args.device == "cpu" else [],
             "context": args.context, "repeats": args.repeats, "rows": rows, "bookkeeping_us": book,
             "summary": summary}
 
@@ -269,8 +267,10 @@ def _target_path():
 
 
 def format_table(result: dict) -> str:
-    lines = [f"model {result['model']}  threads {result['threads']}  {result['device']}/{result['dtype']}  "
+    lines = [f"model {result['model']}  threads {result['threads']}  clock {result['clock']}  {result['device']}/{result['dtype']}  "
              f"context {result['context']}  median of {result['repeats']}",
+             f"--dtype auto picks {result['auto_dtype']}; CPU bf16 features: "
+             f"{', '.join(result['cpu_bf16_flags']) or 'none'}",
              f"{'backend':<13}{'case':<8}{'batch':>6}{'ms':>10}{'min ms':>10}{'× decode b1':>13}{'tok/s':>9}"]
     for r in result["rows"]:
         tps = f"{r['tokens_per_s']:.1f}" if r["tokens_per_s"] else ""
@@ -291,12 +291,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of native, native-bf16, transformers, hf_target "
                          "(the default adds native-bf16 where bf16 is fast)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
+    ap.add_argument("--dtype", default="float32",
+                    help="dtype of the native, transformers and hf_target backends: float32, bfloat16, float16 or auto "
+                         "(what the services' --dtype auto picks); native-bf16 is always bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=128, help="prompt length of every request")
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall: elapsed time; cpu: the thread's CPU time, robust to other processes on a busy machine "
+                         "(needs --threads 1)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu measures one thread: use it with --threads 1")
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else format_table(result))
     return 0

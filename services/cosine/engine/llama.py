@@ -15,8 +15,10 @@ the caller decides afterwards what length to keep (see NativeTarget).
 
 Per layer the work is a handful of large ops: q/k/v as one matmul, RoPE on q
 and k together, the KV write, one SDPA call with the query heads of a KV group
-folded into the query length (no repeated K/V), o, and gate/up as one matmul.
-Tokens are packed (no padding) everywhere except inside attention.
+folded into the query length (no repeated K/V), o, gate/up as one matmul, down.
+On CPU with oneDNN's prepacked weights the residual adds ride inside the o and
+down matmuls as post-ops. Tokens are packed (no padding) everywhere except
+inside attention.
 """
 
 from __future__ import annotations
@@ -196,6 +198,8 @@ class NativeLlama:
                 L.qkv_b = None
             L.o_w = self._pack(w(p + "self_attn.o_proj.weight"))
             L.o_b = opt(p + "self_attn.o_proj.bias")
+            # gate and up as one matmul: measured 5-12% faster here than two with SiLU and the product as
+            # oneDNN post-ops (30 layers, M = 1 and 17, fp32 and bf16)
             L.gate_up_w = self._pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous())
             gb, ub = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
             L.gate_up_b = torch.cat([gb, ub]).contiguous() if gb is not None else None
@@ -259,6 +263,15 @@ class NativeLlama:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
+
+    def _lin_add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor) -> torch.Tensor:
+        """residual + linear(x): on the prepacked path the add is a oneDNN post-op inside the matmul
+        (fp32: the same numbers, o and down ~10% faster at one row here, ~0.7 ms a step; bf16: one
+        rounding instead of two, no faster)."""
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, weight, bias, "add")
+        return residual + F.linear(x, weight, bias)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm with transformers' arithmetic (in float32), in place where it is safe."""
@@ -402,11 +415,11 @@ class NativeLlama:
             o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
             if not dense:
                 o = o[row_t]
-            x = x + self._lin(o, layer.o_w, layer.o_b)
+            x = self._lin_add(o, layer.o_w, layer.o_b, x)
             h = self._rms(x, layer.ln2)
             gu = self._lin(h, layer.gate_up_w, layer.gate_up_b)
             g, u = gu.split(s.intermediate_size, dim=-1)
-            x = x + self._lin(F.silu(g) * u, layer.down_w, layer.down_b)
+            x = self._lin_add(F.silu(g) * u, layer.down_w, layer.down_b, x)
         return x
 
     def _finish(self, x, batch, cache, starts, lengths, N):

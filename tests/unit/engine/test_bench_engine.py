@@ -20,3 +20,17 @@ def test_bench_engine_smoke(tiny_models, capsys):
         for case in ("decode", "chain4", "tree16"):
             assert (backend, case, 1) in cases and (backend, case, 8) in cases
     assert out["bookkeeping_us"]["native"]["cut_back_us"] < 1000
+
+
+def test_bench_engine_cpu_clock_and_dtype_report(tiny_models, capsys):
+    from cosine.engine.models import cpu_bf16_flags, resolve_dtype
+
+    assert main(["--model", str(tiny_models["llama"]), "--repeats", "1", "--context", "16", "--threads", "1",
+                 "--clock", "cpu", "--backends", "native,native-bf16", "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["clock"] == "cpu" and {r["backend"] for r in out["rows"]} == {"native", "native-bf16"}
+    assert all(r["ms"] > 0 for r in out["rows"])
+    assert out["auto_dtype"] == str(resolve_dtype("auto", "cpu")).replace("torch.", "") == "float32"
+    assert out["cpu_bf16_flags"] == cpu_bf16_flags()
+    with pytest.raises(SystemExit):
+        main(["--clock", "cpu", "--threads", "2"])

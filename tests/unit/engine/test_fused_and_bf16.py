@@ -1,0 +1,92 @@
+"""The fused decode step (fp32 still token-identical to `transformers`), bf16 detection and `--dtype`."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cosine.engine.llama import NativeLlama, Seq, _mkldnn_linear_works
+from cosine.engine.models import cpu_bf16_flags, fast_bf16, resolve_dtype
+from cosine.engine.native_target import NativeTarget
+from cosine.engine.sampling import Sampling
+from cosine.engine.tree import DraftTree
+
+from .helpers import hf_greedy
+
+pytestmark = pytest.mark.unit
+
+N_NEW = 10
+
+
+def test_auto_uses_the_fused_post_ops_on_cpu(tiny_models):
+    """Where oneDNN's prepacked linear works, `linear="auto"` takes the fused path these tests cover."""
+    model = NativeLlama.from_pretrained(tiny_models["llama"])
+    assert model.packed == _mkldnn_linear_works(torch.device("cpu"), torch.float32)
+    assert not NativeLlama.from_pretrained(tiny_models["llama"], linear="torch").packed
+    x, r = torch.randn(3, 64), torch.randn(3, 64)
+    w = torch.randn(64, 64)
+    got = model._lin_add(x, model._pack(w), None, r)
+    torch.testing.assert_close(got, r + torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_uniform_decode_batch_equals_transformers(tiny_models, hf_models, name, batch):
+    """Equal-length rows, one token each (plain decoding of a batch) through the fused residual adds."""
+    rng = random.Random(batch)
+    hf = hf_models[name]
+    vocab = hf.config.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(9)] for _ in range(batch)]
+    refs = [hf_greedy(hf, p, N_NEW) for p in prompts]
+    target = NativeTarget.from_pretrained(tiny_models[name], n_slots=batch, max_context=64)
+    target.open_batch([(f"r{i}", p, len(p)) for i, p in enumerate(prompts)])
+    got = [[] for _ in prompts]
+    for _ in range(N_NEW):
+        outs = target.verify_batch([(f"r{i}", DraftTree(), Sampling()) for i in range(batch)])
+        for g, o in zip(got, outs):
+            g.extend(o.token_ids)
+    assert got == refs
+
+
+def test_fused_and_unfused_logits_agree(tiny_models):
+    """The post-op path (residual adds inside the matmuls) against the separate ops."""
+    ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    outs = []
+    for linear in ("auto", "torch"):
+        model = NativeLlama.from_pretrained(tiny_models["llama"], linear=linear)
+        cache = model.new_cache(1, 32)
+        slot = cache.allocate()
+        outs.append(model.forward([Seq(slot, ids, list(range(20)))], cache)[0])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_bf16_detection_reads_the_flags():
+    amx = "processor\t: 0\nflags\t\t: fpu sse2 avx512f amx_bf16 amx_tile\n"
+    zen = "processor\t: 0\nflags\t\t: fpu sse2 avx512f avx512_bf16\n"
+    old = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
+    assert cpu_bf16_flags(amx) == ["amx_bf16"]
+    assert cpu_bf16_flags(zen) == ["avx512_bf16"]
+    assert cpu_bf16_flags(old) == [] and not fast_bf16("cpu", old)
+    assert fast_bf16("cpu", zen) and fast_bf16("cuda:0", old)
+
+
+def test_auto_dtype_is_fp32_on_cpu_and_bf16_on_cuda():
+    """auto stays fp32 on CPU even where bf16 is faster (see resolve_dtype: bf16 speculation is not
+    token-identical to bf16 plain decoding on the real target); bfloat16 is there by name."""
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16 and resolve_dtype("auto", "cuda:1") == torch.bfloat16
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
+def test_services_dtype_reaches_the_native_engine(tiny_models, tiny_dirs):
+    """The verifier's and an LM drafter's --dtype reach the native engine (auto: fp32 on CPU)."""
+    from cosine.drafter.__main__ import DrafterSettings, build
+    from cosine.engine.native_target import make_target
+
+    assert make_target(tiny_models["llama"], dtype="auto", n_slots=1, max_context=32).model.dtype == torch.float32
+    assert make_target(tiny_models["llama"], dtype="bfloat16", n_slots=1, max_context=32).model.dtype == torch.bfloat16
+    drafter, _ = build(DrafterSettings(name="tiny", kind="lm", model=str(tiny_dirs["drafter"]), dtype="bfloat16",
+                                       threads=1))
+    assert drafter.model.dtype == torch.bfloat16

@@ -1,0 +1,106 @@
+"""Two versions of the native engine's forward, side by side in one process, on the real target.
+
+    git show BASE:services/cosine/engine/llama.py > /tmp/old_llama.py
+    PYTHONPATH=services python tools/measure_engine_ab.py --old /tmp/old_llama.py --threads 1 --repeats 21
+
+`old` is the module file given, `new` the checkout's cosine.engine.llama. Cases: one-token decode and a
+16-node tree (depth 3) at batch 1 and 8 over a 128-token context, fp32 and bf16, interleaved round by round
+so that machine noise falls on both alike. Prints the median and the minimum of each. With --threads 1 the
+clock is the thread's CPU time (a descheduled step does not accrue it: robust on a shared machine); with
+more threads, wall time (read the minimums when other jobs share the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+PARENTS16 = [-1] * 4 + [p for p in range(4) for _ in range(2)] + [4, 6, 8, 10]
+CASES = (("decode", 1), ("decode", 8), ("tree16", 1), ("tree16", 8))
+
+
+def load_old(path: str):
+    spec = importlib.util.spec_from_file_location("old_llama", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["old_llama"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def batch(mod, kind: str, n: int, ctx: int, rng: random.Random, vocab: int):
+    out = []
+    for slot in range(n):
+        if kind == "decode":
+            out.append(mod.Seq(slot, [rng.randrange(vocab)], [ctx]))
+        else:
+            parents = [-1] + [p + 1 for p in PARENTS16]
+            depth = [0]
+            for p in parents[1:]:
+                depth.append(depth[p] + 1)
+            out.append(mod.Seq(slot, [rng.randrange(vocab) for _ in parents], [ctx + d for d in depth], parents))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--old", required=True, help="path of the other version's llama.py")
+    ap.add_argument("--model", default=None, help="model directory (default: the zoo's target)")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--context", type=int, default=128)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.threads == 1 else time.perf_counter
+    from cosine.engine import llama as new
+
+    old = load_old(args.old)
+    if args.model is None:
+        from cosine.zoo.prepare import prepare_target
+
+        args.model = prepare_target()
+    rng = random.Random(0)
+    engines = {}
+    for dt in args.dtypes.split(","):
+        for name, mod in (("old", old), ("new", new)):
+            m = mod.NativeLlama.from_pretrained(args.model, dtype=dt, max_positions=args.context + 64)
+            c = m.new_cache(8, args.context + 64)
+            for _ in range(8):
+                c.allocate()
+            m.forward([mod.Seq(s, [rng.randrange(m.spec.vocab_size) for _ in range(args.context)],
+                               list(range(args.context)), logits="none") for s in range(8)], c)
+            engines[(name, dt)] = (mod, m, c)
+    times: dict = {}
+    for r in range(args.repeats + 1):  # round 0 warms up
+        for key, (mod, m, c) in engines.items():
+            for kind, n in CASES:
+                b = batch(mod, kind, n, args.context, rng, m.spec.vocab_size)
+                t0 = clock()
+                m.forward(b, c)
+                ms = (clock() - t0) * 1e3
+                for s in range(n):
+                    c.set_length(s, args.context)
+                if r:
+                    times.setdefault((key, kind, n), []).append(ms)
+    print(f"threads {args.threads}, clock {'thread CPU' if args.threads == 1 else 'wall'}, {args.repeats} rounds, "
+          f"context {args.context}")
+    for dt in args.dtypes.split(","):
+        print(f"{dt:9s} {'case':7s} {'B':>2s} {'old med':>8s} {'new med':>8s} {'ratio':>6s} {'old min':>8s} {'new min':>8s} {'ratio':>6s}")
+        for kind, n in CASES:
+            o, w = times[(("old", dt), kind, n)], times[(("new", dt), kind, n)]
+            om, wm, oi, wi = statistics.median(o), statistics.median(w), min(o), min(w)
+            print(f"{dt:9s} {kind:7s} {n:2d} {om:8.2f} {wm:8.2f} {wm / om:6.2f} {oi:8.2f} {wi:8.2f} {wi / oi:6.2f}")
+        for name in ("old", "new"):
+            d, t = times[((name, dt), "decode", 1)], times[((name, dt), "tree16", 1)]
+            print(f"  {name}: tree16 / decode at b1 = {statistics.median(t) / statistics.median(d):.2f} (medians), "
+                  f"{min(t) / min(d):.2f} (minimums)")
+
+
+if __name__ == "__main__":
+    main()
