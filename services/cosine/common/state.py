@@ -117,6 +117,30 @@ class RequestStore:
             raise StaleCommit(f"request {request_id}: commit for step {step} rejected ({'missing' if result == -1 else 'stale'})")
         return step + 1
 
+    async def commit_many(self, rounds: list[tuple[str, int, list[int], int, int, dict | None]]) -> list[BaseException | None]:
+        """Commit many requests' rounds, each `(request_id, step, token_ids, drafted, accepted, policy)`, in one
+        pipeline (one round trip); each fenced like `commit`. One result per round: None, or the StaleCommit (or
+        error) that round met."""
+        if not rounds:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request_id, step, token_ids, drafted, accepted, policy in rounds:
+                args = [step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids]
+                if policy is not None:
+                    args.append(json.dumps(policy, separators=(",", ":")))
+                await self._commit(keys=[req_key(request_id), tokens_key(request_id)], args=args, client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        out: list[BaseException | None] = []
+        for (request_id, step, *_), reply in zip(rounds, replies):
+            if isinstance(reply, BaseException):
+                out.append(reply)
+            elif reply != 1:
+                out.append(StaleCommit(f"request {request_id}: commit for step {step} rejected "
+                                       f"({'missing' if reply == -1 else 'stale'})"))
+            else:
+                out.append(None)
+        return out
+
     async def finish(self, request_id: str, status: str, finish_reason: str = "") -> None:
         """Mark the request ended (finished, cancelled, failed); keeps it for finished_ttl_s."""
         async with self.client.pipeline(transaction=True) as pipe:

@@ -90,6 +90,7 @@ class RoundRecord:
 
     order: RoundOrder
     draft: Draft | None
+    tree: DraftTree  # the tree verified (the draft's, trimmed to the step's caps)
     verdict: Verdict
     committed: list[int]
     draft_s: float  # the draft's wall time (0 without one)
@@ -489,7 +490,7 @@ class StepLoop:
                 if name not in request.drafters_used:
                     request.drafters_used.append(name)
         now = self.clock.now()
-        self.ports.learn(request, RoundRecord(request.order, draft, verdict,
+        self.ports.learn(request, RoundRecord(request.order, draft, tree, verdict,
                                               list(cut.token_ids), request.draft_s, verify_s, commit_s,
                                               now - request.round_started, batch_size))
         request.draft, request.draft_s = None, 0.0

@@ -96,12 +96,17 @@ class VerifyBatcher:
 
     async def verify(self, request_id: str, tree: DraftTree, sampling: Sampling):
         """(the round's outcome: accepted tokens + the target's next, the size of the batch it was verified in)."""
+        return await self.submit(request_id, tree, sampling)
+
+    def submit(self, request_id: str, tree: DraftTree, sampling: Sampling) -> asyncio.Future:
+        """Queue a round without waiting: rounds submitted before the caller next awaits are chosen from
+        together (a scheduler's step arrives as one message). The future resolves like `verify`."""
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         future = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(request_id, tree, sampling, future, self.clock()))
         self._wakeup.set()
-        return await future
+        return future
 
     # -- the choice (event-loop thread; no model calls) ----------------------------------
 
