@@ -33,6 +33,7 @@ clock (`Clock`), so tests drive it with fakes and virtual time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,8 @@ from cosine.engine.tree import DraftTree
 from cosine.scheduler import policy
 from cosine.scheduler.ahead import subtree_after
 from cosine.scheduler.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed
+
+log = logging.getLogger(__name__)
 
 IDLE, DRAFTING, READY, VERIFYING, ENDED = "idle", "drafting", "ready", "verifying", "ended"
 
@@ -265,15 +268,31 @@ class StepLoop:
 
     async def run(self) -> None:
         while True:
-            if self._step is not None and self._step[0].done():
-                await self._finish_step()
-            self._launch()
-            timeout = None
-            if self._step is None:
-                timeout = self._maybe_step()
-            if self._step is None and self._releases and not any(r.state == VERIFYING for r in self.requests.values()):
-                self._start_step([], [])  # nothing to verify: the releases go on their own
+            try:
+                timeout = await self._turn()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a port broke its contract: fail what is live, keep serving
+                log.exception("step loop: failing %d live requests", len(self.requests))
+                if self._step is not None:
+                    self._step[0].cancel()
+                    self._step = None
+                for request in list(self.requests.values()):
+                    self._fail(request, exc)
+                timeout = None
             await self._wait(timeout)
+
+    async def _turn(self) -> float | None:
+        """One turn of the loop; returns how long to wait for the next event at most (None: no limit)."""
+        if self._step is not None and self._step[0].done():
+            await self._finish_step()
+        self._launch()
+        timeout = None
+        if self._step is None:
+            timeout = self._maybe_step()
+        if self._step is None and self._releases and not any(r.state == VERIFYING for r in self.requests.values()):
+            self._start_step([], [])  # nothing to verify: the releases go on their own
+        return timeout
 
     async def _wait(self, timeout: float | None) -> None:
         if self._wake.is_set():

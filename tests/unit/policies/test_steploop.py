@@ -298,3 +298,25 @@ async def test_the_batch_respects_the_request_cap(limit):
     assert max(len(s) for s, _, _ in ports.steps) == limit
     for i in ids:
         assert ports.out[i] == expected(i, 4)
+
+
+async def test_a_port_that_raises_fails_the_live_requests_and_the_loop_serves_on():
+    clock = VirtualClock()
+    ports = FakePorts(clock, depth={"a": 0, "b": 0}, draft_s={"a": 0.0, "b": 0.0})
+    broken = {"on": True}
+    learn = ports.learn
+
+    def learn_once_broken(request, record):
+        if broken.pop("on", False):
+            raise KeyError("a metrics bug")
+        learn(request, record)
+
+    ports.learn = learn_once_broken
+    loop = StepLoop(ports, BatchLimits(), clock)
+    loop.add(request("a", 5))
+    await clock.run(lambda: "a" in ports.errors)
+    assert isinstance(ports.errors["a"], KeyError) and not loop.requests
+    loop.add(request("b", 5))
+    await clock.run(lambda: "b" in ports.finals)
+    await loop.close()
+    assert ports.out["b"] == expected("b", 5)
