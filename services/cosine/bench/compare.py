@@ -443,8 +443,9 @@ def pipeline_notes(rows: list[dict]) -> list[str]:
                        f"{row.get('draft_ahead_used', 0)} rounds drafted ahead and used, "
                        f"{row.get('draft_ahead_discarded', 0)} discarded")
     if out:
-        out.append("pipelining (drafting the next round during verification) only runs while the scheduler has one "
-                   "request in flight: at concurrency > 1 no-pipeline is the full system")
+        out.append("the pipelining switch (drafting a request's next round ahead during its verification) only acts while "
+                   "the scheduler has one request in flight: at concurrency > 1 no-pipeline is the full system (the step "
+                   "loop's overlap of one group's drafting with another group's verification runs in every system)")
     return out
 
 
