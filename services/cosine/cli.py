@@ -17,6 +17,7 @@ EPILOG = """examples:
   cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
   cosine bench compare --quick       CoSine against transformers baselines and its own switches, same run (about 6 min)
+  cosine bench faults                 drafters SIGKILLed mid-stream, every drafter dead, 48 streams at once: a table
 """
 
 SERVICES = ("router", "scheduler", "fusion", "drafter", "verifier")
@@ -115,7 +116,8 @@ def _up(args) -> int:
 
         prepare_all()
     stop_saved()  # a cluster left from an earlier --detach would hold the ports
-    spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level)
+    spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level,
+                       redis_maxmemory=args.redis_maxmemory)
     cluster = Cluster(spec)
     started = time.monotonic()
 
@@ -176,11 +178,21 @@ def _generate(args) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        s = result["stats"]
-        print(f"\n[{result['finish_reason']}; {len(result['token_ids'])} tokens, {s['rounds']} rounds, "
-              f"{s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted, {result['tokens_per_s']:.1f} tokens/s]",
-              file=sys.stderr)
+        print("\n" + summary_line(result), file=sys.stderr)
     return 0
+
+
+def summary_line(result: dict) -> str:
+    """The closing line of `cosine generate`: what speculation did, in the unit it saves (target forward passes)."""
+    s = result["stats"]
+    n = len(result["token_ids"])
+    line = f"[{result['finish_reason']}; {n} tokens in {s['rounds']} target passes"
+    if s["drafted_tokens"]:
+        line += (f" ({s['tokens_per_target_pass']:.2f} tokens per pass; plain decoding makes 1.00), "
+                 f"{s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted")
+    else:
+        line += " (nothing drafted: plain decoding)"
+    return line + f", {result['tokens_per_s']:.1f} tokens/s end to end]"
 
 
 def _serve(args) -> int:
@@ -229,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start Redis and every service on loopback")
     up.add_argument("--port", type=int, default=50051, help="router port (default 50051)")
     up.add_argument("--redis-url", default="", help="use this Redis instead of starting one")
+    up.add_argument("--redis-maxmemory", default="256mb",
+                    help="memory limit of the Redis `up` starts (policy noeviction: when full, new requests get RESOURCE_EXHAUSTED)")
     up.add_argument("--target", default="", help="target model directory (default: the zoo's)")
     up.add_argument("--detach", action="store_true", help="return once ready; stop later with `cosine down`")
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for every service to be SERVING")
@@ -255,11 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout", type=float, default=600, help="deadline of the call in seconds")
     gen.set_defaults(func=_generate)
 
-    bench = sub.add_parser("bench", help="benchmarks: compare (CoSine against its baselines; serving is an alias), engine",
+    bench = sub.add_parser("bench", help="benchmarks: compare (CoSine against its baselines; serving is an alias), engine, faults",
                            description="compare (default): CoSine with each mechanism switched off in turn against transformers "
                                        "generate(), assisted and prompt-lookup generation, side by side (table, --json, PNG plots; "
-                                       "--quick: about 5 minutes); serving: the same; engine: native engine vs transformers forwards")
-    bench.add_argument("which", nargs="?", choices=["compare", "serving", "engine"], default="compare")
+                                       "--quick: about 5 minutes); serving: the same; engine: native engine vs transformers forwards; "
+                                       "faults: fault scenarios (drafters SIGKILLed, overload) against a local cluster it starts")
+    bench.add_argument("which", nargs="?", choices=["compare", "serving", "engine", "faults"], default="compare")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (see --help)")
     bench.set_defaults(func=_bench)
 

@@ -79,6 +79,8 @@ def generate(address: str, prompt: str, options: GenerateOptions, on_text: Calla
             "drafted_tokens": final.stats.drafted_tokens,
             "accepted_tokens": final.stats.accepted_tokens,
             "drafters": list(final.stats.drafters),
+            # each round is one forward pass of the target for this request: plain decoding makes one token per pass
+            "tokens_per_target_pass": len(token_ids) / final.stats.rounds if final.stats.rounds else 0.0,
         },
         "ttft_s": (first - started) if first else None,
         "elapsed_s": elapsed,

@@ -29,28 +29,33 @@ def free_port() -> int:
 @dataclass
 class DrafterSpec:
     name: str
-    kind: str  # lm | ngram
+    kind: str  # lm | ngram | suffix
     model: str = ""
     domain: str = "general"
+    default: bool = True  # among the router's default candidates (else only for requests that name it)
 
 
 def zoo_drafters() -> list[DrafterSpec]:
-    """The drafters a local cluster runs by default: prompt lookup plus every domain drafter `cosine zoo build`
-    made (lm-code, lm-docs, ...); before a build, the untrained lm-2layer stands in for them."""
+    """The drafters a local cluster runs by default: suffix decoding (the cheap drafter) plus every domain drafter
+    `cosine zoo build` made (lm-code, lm-docs, ...; before a build, the untrained lm-2layer stands in for them);
+    prompt lookup (ngram) runs too, for requests that name it, but is not a default candidate."""
     from cosine.zoo.registry import list_models
 
     built = [e for e in list_models() if e.kind == "lm" and e.domain != "general"]
     lms = [DrafterSpec(e.name, "lm", e.name, e.domain) for e in built] or [DrafterSpec("lm-2layer", "lm", "lm-2layer")]
-    return [DrafterSpec("ngram", "ngram")] + lms
+    return [DrafterSpec("suffix", "suffix")] + lms + [DrafterSpec("ngram", "ngram", default=False)]
 
 
 @dataclass
 class ClusterSpec:
     router_port: int = 50051
     redis_url: str = ""  # empty: start a private redis-server
+    # the private redis-server's memory limit; at the limit writes fail (noeviction) and new requests get
+    # RESOURCE_EXHAUSTED: evicting would drop running requests' state (the source of truth) mid-stream
+    redis_maxmemory: str = "256mb"
     target: str = ""  # model dir or zoo name; empty: the zoo's target
     drafters: list[DrafterSpec] = field(default_factory=zoo_drafters)
-    default_drafters: list[str] | None = None  # the router's default candidates; None: every drafter of the cluster
+    default_drafters: list[str] | None = None  # the router's default candidates; None: the drafters marked default
     verifier_threads: int = 2
     drafter_threads: int = 1
     log_level: str = "INFO"
@@ -108,7 +113,8 @@ class Cluster:
             if binary is None:
                 raise RuntimeError("redis-server not found: install it (apt-get install -y redis-server) or pass --redis-url")
             port = free_port()
-            self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+            self._spawn("redis", [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                                  "--maxmemory", spec.redis_maxmemory, "--maxmemory-policy", "noeviction"],
                         f"127.0.0.1:{port}", None, grpc_service=False)
             redis_url = f"redis://127.0.0.1:{port}/0"
         ports = {n: free_port() for n in ("scheduler", "fusion", "verifier")}
@@ -122,7 +128,7 @@ class Cluster:
                           "--threads", str(spec.drafter_threads), *model)
             endpoints.append(f"{d.name}=127.0.0.1:{port}")
         self._service("fusion", "cosine.fusion", ports["fusion"], "--drafters", ",".join(endpoints))
-        defaults = spec.default_drafters if spec.default_drafters is not None else [d.name for d in spec.drafters]
+        defaults = spec.default_drafters if spec.default_drafters is not None else [d.name for d in spec.drafters if d.default]
         self._service("scheduler", "cosine.scheduler", ports["scheduler"], "--verifier", f"127.0.0.1:{ports['verifier']}",
                       "--fusion", f"127.0.0.1:{ports['fusion']}", "--redis-url", redis_url)
         self._service("router", "cosine.router", spec.router_port, "--scheduler", f"127.0.0.1:{ports['scheduler']}",

@@ -63,12 +63,60 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- toJson $cfg -}}
 {{- end -}}
 
-{{- define "cosine.drafterAddress" -}}
-{{- printf "%s-drafter-%s:%d" (include "cosine.fullname" .root) .name (int .port) -}}
+{{/* gRPC target of an internal role: dns:/// over its headless Service, so the caller's channel sees every ready pod
+and spreads calls over them (round_robin, cosine.common.server.channel_options). (dict "root" $ "component" "verifier" "port" 50054) */}}
+{{- define "cosine.address" -}}
+{{- $r := .root -}}
+{{- printf "dns:///%s-%s.%s.svc.%s:%d" (include "cosine.fullname" $r) .component $r.Release.Namespace $r.Values.clusterDomain (int .port) -}}
 {{- end -}}
 
-{{- define "cosine.address" -}}
-{{- printf "%s-%s:%d" (include "cosine.fullname" .root) .component (int .port) -}}
+{{- define "cosine.drafterAddress" -}}
+{{- include "cosine.address" (dict "root" .root "component" (printf "drafter-%s" .name) "port" .port) -}}
+{{- end -}}
+
+{{/* Custom resources render only where the cluster serves their API (helm template: pass --api-versions). */}}
+{{- define "cosine.hasKeda" -}}
+{{- if .Capabilities.APIVersions.Has "keda.sh/v1alpha1/ScaledObject" -}}true{{- end -}}
+{{- end -}}
+
+{{- define "cosine.hasServiceMonitor" -}}
+{{- if .Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor" -}}true{{- end -}}
+{{- end -}}
+
+{{/* What the workload of a role renders for autoscaling, as JSON {"kind": "ScaledObject"|"HorizontalPodAutoscaler"|"", "skipped": bool}:
+(dict "root" $ "cfg" $cfg) */}}
+{{- define "cosine.autoscaler" -}}
+{{- $cfg := .cfg -}}
+{{- $kind := "" -}}
+{{- $skipped := false -}}
+{{- if $cfg.autoscaling.enabled -}}
+{{- if and $cfg.autoscaling.metrics (eq .root.Values.autoscaling.metricsMode "keda") -}}
+{{- if include "cosine.hasKeda" .root -}}{{- $kind = "ScaledObject" -}}{{- else -}}{{- $skipped = true -}}{{- end -}}
+{{- else -}}
+{{- $kind = "HorizontalPodAutoscaler" -}}
+{{- end -}}
+{{- end -}}
+{{- toJson (dict "kind" $kind "skipped" $skipped) -}}
+{{- end -}}
+
+{{/* The verifier's KV slots: verifier.maxSlots, or when 0 sized from verifier.kvCache (formula in values.yaml and the chart README). */}}
+{{- define "cosine.verifierSlots" -}}
+{{- $v := .Values.verifier -}}
+{{- if gt (int $v.maxSlots) 0 -}}
+{{- $v.maxSlots -}}
+{{- else -}}
+{{- $kv := $v.kvCache -}}
+{{- $gpu := gt (int $v.gpu.count) 0 -}}
+{{- $bytes := 2 -}}
+{{- if or (eq $v.dtype "float32") (and (eq $v.dtype "auto") (not $gpu)) -}}{{- $bytes = 4 -}}{{- end -}}
+{{- $perPosition := mul 2 (int $kv.model.layers) (int $kv.model.kvHeads) (int $kv.model.headDim) $bytes -}}
+{{- $free := subf (float64 $kv.deviceMemoryGiB) (float64 $kv.reservedGiB) -}}
+{{- $slots := int (floor (divf (mulf $free 1073741824.0) (mul $perPosition (int $kv.maxContext)))) -}}
+{{- if lt $slots 1 -}}
+{{- fail (printf "verifier.kvCache: %v GiB minus %v GiB reserved holds no KV slot of %d MiB (maxContext %d); raise deviceMemoryGiB, lower reservedGiB or maxContext, or set verifier.maxSlots" $kv.deviceMemoryGiB $kv.reservedGiB (div (mul $perPosition (int $kv.maxContext)) 1048576) (int $kv.maxContext)) -}}
+{{- end -}}
+{{- min $slots (int $kv.maxSlotsCap) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The image of a role: (dict "root" $ "cfg" $cfg) */}}
@@ -109,7 +157,9 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 
 {{/*
 One role: Deployment, Service, PDB, autoscaler and ServiceMonitor.
-(dict "root" $ "component" "router" "prefix" "COSINE_ROUTER_" "service" "router" "cfg" $cfg "env" $envYaml "models" true "name" "drafter NAME or empty")
+(dict "root" $ "component" "router" "prefix" "COSINE_ROUTER_" "service" "router" "cfg" $cfg "env" $envYaml "models" true "name" "drafter NAME or empty"
+      "initContainers" "YAML list of init containers run first, or empty"
+      "volumes" "YAML list of extra pod volumes" "mounts" "YAML list of their mounts in the service's container")
 */}}
 {{- define "cosine.workload" -}}
 {{- $root := .root -}}
@@ -122,7 +172,11 @@ One role: Deployment, Service, PDB, autoscaler and ServiceMonitor.
 {{- $delay := int $root.Values.shutdownDelaySeconds -}}
 {{- $storage := $root.Values.models.storage -}}
 {{- $prepare := and .models $root.Values.models.prepare.enabled (ne $storage.type "image") -}}
-{{- $autoscaled := $cfg.autoscaling.enabled -}}
+{{- $scaler := include "cosine.autoscaler" (dict "root" $root "cfg" $cfg) | fromJson -}}
+{{- $public := eq $component "router" -}}
+{{- $hostPath := and .models (eq $storage.type "hostPath") -}}
+{{- $tls := $root.Values.tls.enabled -}}
+{{- $probePort := ternary $root.Values.tls.healthPort $cfg.port $tls -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -133,9 +187,13 @@ metadata:
   annotations:
     checkov.io/skip1: CKV_K8S_43=The tag is the chart's appVersion by default; set image.digest to pin by digest (rendered as repository@digest).
     checkov.io/skip2: CKV_K8S_15=IfNotPresent is deliberate for multi-GB CUDA images on GPU nodes; tags are immutable release tags, set image.pullPolicy to Always to change it.
+    {{- if $hostPath }}
+    checkov.io/skip3: CKV_K8S_25=hostPath volumes ignore fsGroup, so the own-models init container adds CAP_CHOWN (all else dropped) only to chown the cache directory to the pods' uid, then exits.
+    {{- end }}
 spec:
-  {{- if not $autoscaled }}
-  replicas: {{ $cfg.replicas }}
+  {{- if not $scaler.kind }}
+  # {{ if $scaler.skipped }}no autoscaler (its API is not served here, see NOTES): minReplicas{{ else }}not autoscaled{{ end }}
+  replicas: {{ ternary $cfg.autoscaling.minReplicas $cfg.replicas $scaler.skipped }}
   {{- end }}
   revisionHistoryLimit: 5
   selector:
@@ -185,12 +243,50 @@ spec:
       affinity:
         {{- toYaml . | nindent 8 }}
       {{- end }}
-      {{- if $prepare }}
+      {{- if or .initContainers $prepare $hostPath }}
       initContainers:
+        {{- with .initContainers }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- if $hostPath }}
+        # fsGroup does not apply to hostPath volumes: hand the node's cache directory to the pods' user (top level only)
+        - name: own-models
+          image: {{ include "cosine.image" (dict "root" $root "cfg" $cfg) }}
+          imagePullPolicy: {{ include "cosine.imagePullPolicy" (dict "root" $root "cfg" $cfg) }}
+          command: ["chown", "{{ $root.Values.podSecurityContext.runAsUser }}:{{ $root.Values.podSecurityContext.fsGroup }}", "/var/cache/cosine"]
+          securityContext:
+            runAsUser: 0
+            runAsGroup: 0
+            runAsNonRoot: false
+            allowPrivilegeEscalation: false
+            readOnlyRootFilesystem: true
+            privileged: false
+            capabilities:
+              drop: ["ALL"]
+              add: ["CHOWN"]
+            seccompProfile:
+              type: RuntimeDefault
+          resources:
+            requests: {cpu: 10m, memory: 16Mi}
+            limits: {cpu: 100m, memory: 64Mi}
+          volumeMounts:
+            - {name: models, mountPath: /var/cache/cosine}
+        {{- end }}
+        {{- if $prepare }}
+        # one preparer per volume: the others wait on the lock, then find the models' cards and return at once;
+        # `cosine zoo prepare` writes each model to NAME.partial and renames it into place, its card (cosine.json) last
         - name: prepare-models
           image: {{ include "cosine.image" (dict "root" $root "cfg" $cfg) }}
           imagePullPolicy: {{ include "cosine.imagePullPolicy" (dict "root" $root "cfg" $cfg) }}
-          args: ["zoo", "prepare"]
+          command:
+            - python
+            - -c
+            - |
+              import fcntl, os, subprocess, sys
+              lock = open(os.path.join(os.environ["COSINE_CACHE"], ".prepare.lock"), "a")
+              print("waiting for the model volume's lock", flush=True)
+              fcntl.flock(lock, fcntl.LOCK_EX)
+              sys.exit(subprocess.call(["cosine", "zoo", "prepare"]))
           env:
             - {name: COSINE_CACHE, value: /var/cache/cosine}
             - {name: HOME, value: /tmp}
@@ -203,6 +299,7 @@ spec:
           volumeMounts:
             - {name: tmp, mountPath: /tmp}
             - {name: models, mountPath: /var/cache/cosine}
+        {{- end }}
       {{- end }}
       containers:
         - name: {{ .service }}
@@ -217,6 +314,9 @@ spec:
           ports:
             - {name: grpc, containerPort: {{ $cfg.port }}, protocol: TCP}
             - {name: metrics, containerPort: {{ $cfg.metricsPort }}, protocol: TCP}
+            {{- if $tls }}
+            - {name: health, containerPort: {{ $root.Values.tls.healthPort }}, protocol: TCP}
+            {{- end }}
           env:
             - {name: {{ .prefix }}HOST, value: "0.0.0.0"}
             - {name: {{ .prefix }}PORT, value: {{ $cfg.port | quote }}}
@@ -225,6 +325,17 @@ spec:
             # the preStop sleep already covers endpoint removal: drain at once on SIGTERM
             - {name: {{ .prefix }}SHUTDOWN_DELAY_S, value: "0"}
             - {name: {{ .prefix }}LOG_LEVEL, value: {{ $root.Values.logLevel | quote }}}
+            - {name: {{ .prefix }}MAX_CONNECTION_AGE_S, value: {{ $root.Values.maxConnectionAgeSeconds | quote }}}
+            {{- if $tls }}
+            # TLS on the port, mTLS on the channels to other roles{{ if not $public }}, client certificates required{{ end }}; probes use the plaintext health port
+            - {name: {{ .prefix }}TLS_CERT_FILE, value: /etc/cosine/tls/tls.crt}
+            - {name: {{ .prefix }}TLS_KEY_FILE, value: /etc/cosine/tls/tls.key}
+            - {name: {{ .prefix }}TLS_CA_FILE, value: /etc/cosine/tls/ca.crt}
+            {{- if not $public }}
+            - {name: {{ .prefix }}TLS_CLIENT_CA_FILE, value: /etc/cosine/tls/ca.crt}
+            {{- end }}
+            - {name: {{ .prefix }}HEALTH_PORT, value: {{ $root.Values.tls.healthPort | quote }}}
+            {{- end }}
             - {name: COSINE_CACHE, value: {{ ternary "/opt/cosine/cache" "/var/cache/cosine" (eq $storage.type "image") }}}
             - {name: HOME, value: /tmp}
             - {name: HF_HOME, value: /tmp/huggingface}
@@ -246,13 +357,13 @@ spec:
           resources:
             {{- toYaml $res | nindent 12 }}
           startupProbe:
-            grpc: {port: {{ $cfg.port }}, service: liveness}
+            grpc: {port: {{ $probePort }}, service: liveness}
             {{- toYaml $cfg.probes.startup | nindent 12 }}
           livenessProbe:
-            grpc: {port: {{ $cfg.port }}, service: liveness}
+            grpc: {port: {{ $probePort }}, service: liveness}
             {{- toYaml $cfg.probes.liveness | nindent 12 }}
           readinessProbe:
-            grpc: {port: {{ $cfg.port }}, service: readiness}
+            grpc: {port: {{ $probePort }}, service: readiness}
             {{- toYaml $cfg.probes.readiness | nindent 12 }}
           lifecycle:
             preStop:
@@ -266,10 +377,29 @@ spec:
             {{- if ne $storage.type "image" }}
             - {name: models, mountPath: /var/cache/cosine}
             {{- end }}
+            {{- with .mounts }}
+            {{- . | nindent 12 }}
+            {{- end }}
+            {{- if $tls }}
+            - {name: tls, mountPath: /etc/cosine/tls, readOnly: true}
+            {{- end }}
       volumes:
         - name: tmp
           emptyDir:
             sizeLimit: 2Gi
+        {{- with .volumes }}
+        {{- . | nindent 8 }}
+        {{- end }}
+        {{- if $tls }}
+        - name: tls
+          secret:
+            secretName: {{ required "tls.secretName is required when tls.enabled (a kubernetes.io/tls Secret with ca.crt, see k8s/cert-manager.yaml)" $root.Values.tls.secretName }}
+            defaultMode: 288
+            items:
+              - {key: tls.crt, path: tls.crt}
+              - {key: tls.key, path: tls.key}
+              - {key: ca.crt, path: ca.crt}
+        {{- end }}
         {{- if ne $storage.type "image" }}
         - name: models
           {{- if and .models (eq $storage.type "pvc") }}
@@ -297,7 +427,12 @@ metadata:
     {{- toYaml . | nindent 4 }}
   {{- end }}
 spec:
+  {{- if $public }}
   type: {{ ($cfg.service | default (dict)).type | default "ClusterIP" }}
+  {{- else }}
+  # headless: DNS answers with every ready pod, the callers' channels spread requests over them
+  clusterIP: None
+  {{- end }}
   selector:
     {{- include "cosine.selectorLabels" $ctx | nindent 4 }}
   ports:
@@ -318,10 +453,18 @@ spec:
     matchLabels:
       {{- include "cosine.selectorLabels" $ctx | nindent 6 }}
 {{- end }}
-{{- if $autoscaled }}
 {{- $metrics := default (list) $cfg.autoscaling.metrics }}
 {{- $drafter := .name | default "" }}
-{{- if and $metrics (eq $root.Values.autoscaling.metricsMode "keda") }}
+{{- $targets := list }}
+{{- range $metrics }}
+{{- if .targetSlotFraction }}
+{{- $slots := required "autoscaling.metrics[].targetSlotFraction needs the role's `slots`" $cfg.slots }}
+{{- $targets = append $targets (max 1 (int (floor (mulf (float64 $slots) .targetSlotFraction)))) }}
+{{- else }}
+{{- $targets = append $targets (required "autoscaling.metrics[] needs target or targetSlotFraction" .target) }}
+{{- end }}
+{{- end }}
+{{- if eq $scaler.kind "ScaledObject" }}
 ---
 apiVersion: keda.sh/v1alpha1
 kind: ScaledObject
@@ -338,16 +481,16 @@ spec:
   pollingInterval: 15
   cooldownPeriod: 300
   triggers:
-    {{- range $metrics }}
+    {{- range $i, $m := $metrics }}
     - type: prometheus
-      name: {{ .name }}
+      name: {{ $m.name }}
       metricType: AverageValue
       metadata:
         serverAddress: {{ $root.Values.autoscaling.prometheusAddress }}
-        query: {{ replace "DRAFTER" $drafter .query | quote }}
-        threshold: {{ .target | toString | quote }}
+        query: {{ $m.query | replace "DRAFTER" $drafter | replace "NAMESPACE" $root.Release.Namespace | quote }}
+        threshold: {{ index $targets $i | toString | quote }}
     {{- end }}
-{{- else }}
+{{- else if eq $scaler.kind "HorizontalPodAutoscaler" }}
 ---
 apiVersion: autoscaling/v2
 kind: HorizontalPodAutoscaler
@@ -368,12 +511,12 @@ spec:
       stabilizationWindowSeconds: 300
   metrics:
     {{- if $metrics }}
-    {{- range $metrics }}
+    {{- range $i, $m := $metrics }}
     - type: External
       external:
         metric:
-          name: {{ .external.name }}
-          {{- with .external.matchLabels }}
+          name: {{ $m.external.name }}
+          {{- with $m.external.matchLabels }}
           selector:
             matchLabels:
               {{- range $k, $v := . }}
@@ -382,7 +525,7 @@ spec:
           {{- end }}
         target:
           type: AverageValue
-          averageValue: {{ .target | toString | quote }}
+          averageValue: {{ index $targets $i | toString | quote }}
     {{- end }}
     {{- else }}
     - type: Resource
@@ -393,8 +536,7 @@ spec:
           averageUtilization: {{ $cfg.autoscaling.targetCPUUtilizationPercentage }}
     {{- end }}
 {{- end }}
-{{- end }}
-{{- if $cfg.monitoring.serviceMonitor }}
+{{- if and $cfg.monitoring.serviceMonitor (include "cosine.hasServiceMonitor" $root) }}
 ---
 apiVersion: monitoring.coreos.com/v1
 kind: ServiceMonitor
@@ -419,4 +561,13 @@ spec:
       # the services label their series service="..." themselves: keep it (autoscaling queries select on it)
       honorLabels: true
 {{- end }}
+{{- end -}}
+
+{{/* grpcurl's transport flags for the router: plaintext, or TLS verified with the release's CA under the router's Service name */}}
+{{- define "cosine.grpcurlTransport" -}}
+{{- if .Values.tls.enabled -}}
+-cacert ca.crt -servername {{ include "cosine.fullname" . }}-router.{{ .Release.Namespace }}.svc.{{ .Values.clusterDomain }}
+{{- else -}}
+-plaintext
+{{- end -}}
 {{- end -}}

@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     notes.append(f"cores: systems ran one after another on {os.cpu_count()} CPUs; transformers baselines in the bench process "
                  f"with {args.threads} torch threads before the cluster started; the cluster's processes share the same "
                  f"CPUs through the OS scheduler (verifier {spec.verifier_threads} torch threads, each LM drafter "
-                 f"{spec.drafter_threads}; router, scheduler, fusion, ngram drafter and Redis are asyncio/IO processes); verifier "
+                 f"{spec.drafter_threads}; router, scheduler, fusion, the suffix and ngram drafters and Redis are asyncio/IO processes); verifier "
                  f"KV slots and drafter request slots: {slots}, verifier max context "
                  f"{os.environ['COSINE_VERIFIER_MAX_CONTEXT']}; every other setting is the services' default")
     speculation = cluster_speculation(best, args.depth)

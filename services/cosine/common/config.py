@@ -21,11 +21,28 @@ class ServiceSettings(BaseSettings):
     drain_timeout_s: float = Field(10.0, ge=0, description="on SIGTERM, how long in-flight streams may finish")
     shutdown_delay_s: float = Field(0.0, ge=0, description="on SIGTERM, how long to report NOT_SERVING before draining")
     max_message_mb: int = Field(64, ge=1, description="largest gRPC message sent or received")
+    max_connection_age_s: float = Field(0.0, ge=0, description=(
+        "ask each client to reconnect (GOAWAY) after this many seconds, so long-lived channels re-resolve and spread over "
+        "new replicas; open streams finish first (0: never)"))
     log_level: str = Field("INFO", description="logging level")
+    tls_cert_file: str = Field("", description="PEM certificate this server presents (TLS on its port); with tls_ca_file also its client certificate")
+    tls_key_file: str = Field("", description="PEM private key of tls_cert_file")
+    tls_client_ca_file: str = Field("", description="require callers to present a certificate signed by this CA (mTLS)")
+    tls_ca_file: str = Field("", description="CA that signs the services this one calls: its channels use TLS and verify them")
+    health_port: int | None = Field(None, ge=0, le=65535, description=(
+        "also serve gRPC health alone in plaintext on this port (Kubernetes' gRPC probes cannot speak TLS); unset: off"))
     trace_exporter: Literal["none", "console", "otlp", "memory"] = Field(
         "none", description="where spans go: none (tracing off, no cost), console, otlp, memory (kept in the process, for tests)")
     otlp_endpoint: str = Field("", description="OTLP/gRPC collector HOST:PORT or URL; setting it turns on the otlp exporter")
     trace_sample_ratio: float = Field(1.0, ge=0, le=1, description="share of new traces recorded (callers' decisions are kept)")
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> "ServiceSettings":
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError("tls_cert_file and tls_key_file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError("tls_client_ca_file (mTLS) needs the server's own tls_cert_file and tls_key_file")
+        return self
 
     @model_validator(mode="after")
     def _check_tracing(self) -> "ServiceSettings":

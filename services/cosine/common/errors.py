@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -23,6 +24,7 @@ _PASSED_ON = {
     grpc.StatusCode.ALREADY_EXISTS,
     grpc.StatusCode.FAILED_PRECONDITION,
     grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.ABORTED,
 }
 
 
@@ -39,8 +41,36 @@ def invalid(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+# gRPC's own transport errors (they name addresses and socket calls) and addresses of any form
+_TRANSPORT = re.compile(
+    r"failed to connect to all addresses|last error:|socket closed|connection reset|connection refused|stream removed|"
+    r"recvmsg|sendmsg|goaway|keepalive|dns resolution|broken pipe|connection attempt timed out|\b(?:ipv4|ipv6|unix|dns):", re.I)
+_ADDRESS = re.compile(
+    r"\b(?:ipv4|ipv6|unix|unix-abstract|dns):\S*|\[[0-9a-f:.]+\](?::\d+)?|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|"
+    r"\b(?:localhost|[a-z0-9-]+(?:\.[a-z0-9-]+)+):\d{2,5}\b", re.I)
+
+
+def sanitize(message: str) -> str:
+    """A message fit for a caller outside: gRPC's transport errors become one plain sentence, and no
+    address of another service (IP, host:port, unix socket) is left in it."""
+    found = _TRANSPORT.search(message)
+    if found:
+        prefix = message[:found.start()].rstrip(" :;,(")
+        plain = "the connection to a backend service failed; retry"
+        message = f"{prefix}: {plain}" if prefix else plain
+    return _ADDRESS.sub("(a backend)", message)
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The status and message a caller sees for exc; internals never leak."""
+    """The status and message a caller sees for exc; internals (addresses, exception text) never leak."""
+    code, message = _status_of(exc)
+    clean = sanitize(message)
+    if clean != message:
+        log.info("error message sanitized for the caller: %s", message)
+    return code, clean
+
+
+def _status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, ServiceError):
         return exc.code, exc.message
     if isinstance(exc, grpc.aio.AioRpcError):

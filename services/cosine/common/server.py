@@ -6,6 +6,7 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -34,11 +35,43 @@ def channel_options(settings: ServiceSettings) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        # a dns:/// target naming a headless Service resolves to every replica: spread calls over them
+        # (a request's stream stays on the replica it opened on; one address behaves as pick_first)
+        ("grpc.lb_policy_name", "round_robin"),
+        # re-resolve at most every 5 s (gRPC's default: 30 s) when a server's GOAWAY (max_connection_age) asks for it
+        ("grpc.dns_min_time_between_resolutions_ms", 5_000),
     ]
 
 
+def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | None:
+    """TLS for the server's port when it has a certificate; client certificates required with tls_client_ca_file."""
+    if not settings.tls_cert_file:
+        return None
+    client_ca = Path(settings.tls_client_ca_file).read_bytes() if settings.tls_client_ca_file else None
+    pair = (Path(settings.tls_key_file).read_bytes(), Path(settings.tls_cert_file).read_bytes())
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
+def open_channel(target: str, settings: ServiceSettings) -> grpc.aio.Channel:
+    """A channel to another service: TLS verified with tls_ca_file (presenting this service's certificate) when set."""
+    options = channel_options(settings)
+    if not settings.tls_ca_file:
+        return grpc.aio.insecure_channel(target, options=options)
+    own = settings.tls_cert_file
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=Path(settings.tls_ca_file).read_bytes(),
+        private_key=Path(settings.tls_key_file).read_bytes() if own else None,
+        certificate_chain=Path(own).read_bytes() if own else None)
+    return grpc.aio.secure_channel(target, credentials, options=options)
+
+
 def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
-    return channel_options(settings) + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+    options = channel_options(settings) + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+    if settings.max_connection_age_s:
+        # GOAWAY after the age; the grace lets open streams (a whole generation) finish on the old connection
+        options += [("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
+                    ("grpc.max_connection_age_grace_ms", 2**31 - 1)]
+    return options
 
 
 class GrpcService:
@@ -67,8 +100,13 @@ class GrpcService:
         self.servicer: object | None = None  # the main servicer, for introspection in tests
         self.health = health.aio.HealthServicer()
         self.port: int | None = None
+        self.health_port: int | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._service_names: list[str] = []
         self._stopped = asyncio.Event()
+        self._stopping = False
+        self._ready = False
+        self._watches: list[asyncio.Task] = []
 
     @property
     def in_flight(self) -> int:
@@ -85,18 +123,29 @@ class GrpcService:
             [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
-        self.port = self.server.add_insecure_port(f"{self.settings.host}:{self.settings.port}")
+        address = f"{self.settings.host}:{self.settings.port}"
+        credentials = server_credentials(self.settings)
+        self.port = self.server.add_secure_port(address, credentials) if credentials else self.server.add_insecure_port(address)
         if self.port == 0:
             raise RuntimeError(f"{self.name}: cannot listen on {self.settings.host}:{self.settings.port}")
         await self.server.start()
+        if self.settings.health_port is not None:
+            # health alone, in plaintext: the kubelet's gRPC probes when the service port speaks TLS
+            self._health_server = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
+            self.health_port = self._health_server.add_insecure_port(f"{self.settings.host}:{self.settings.health_port}")
+            if self.health_port == 0:
+                raise RuntimeError(f"{self.name}: cannot listen on {self.settings.host}:{self.settings.health_port}")
+            await self._health_server.start()
         await self.health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._set_ready(False)
         if self.settings.metrics_port is not None:
             self.metrics.serve(self.settings.host, self.settings.metrics_port)
-        log.info("%s listening on %s:%d", self.name, self.settings.host, self.port)
+        log.info("%s listening on %s:%d%s", self.name, self.settings.host, self.port, " (TLS)" if credentials else "")
         return self.port
 
     async def _set_ready(self, ready: bool) -> None:
+        self._ready = ready
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", READINESS, *self._service_names):
             await self.health.set(service, status)
@@ -105,15 +154,32 @@ class GrpcService:
         await self._set_ready(True)
         log.info("%s ready", self.name)
 
+    def watch_readiness(self, what: str, check: Callable[[], Awaitable[bool]], interval_s: float) -> None:
+        """Readiness follows a dependency: NOT_SERVING while ``check()`` says False, SERVING again when it
+        says True (never after stop() began)."""
+        async def watch():
+            while not self._stopping:
+                ok = await check()
+                if not self._stopping and ok != self._ready:
+                    await self._set_ready(ok)
+                    (log.info if ok else log.warning)("%s %s: %s", self.name, "ready" if ok else "not ready", f"{what} is {'back' if ok else 'unreachable'}")
+                await asyncio.sleep(interval_s)
+        self._watches.append(asyncio.get_running_loop().create_task(watch()))
+
     async def stop(self) -> None:
         """NOT_SERVING → wait shutdown_delay_s → drain in-flight calls up to drain_timeout_s → stop."""
         if self.server is None or self._stopped.is_set():
             return
+        self._stopping = True
+        for task in self._watches:
+            task.cancel()
         await self._set_ready(False)
         if self.settings.shutdown_delay_s:
             await asyncio.sleep(self.settings.shutdown_delay_s)
         log.info("%s draining %d in-flight calls (up to %.1fs)", self.name, self.in_flight, self.settings.drain_timeout_s)
         await self.server.stop(grace=self.settings.drain_timeout_s)
+        if self._health_server is not None:
+            await self._health_server.stop(grace=None)
         if self._on_stop is not None:
             await self._on_stop()
         self.metrics.close()

@@ -11,15 +11,28 @@ repeated commit (a retried round, a replica that lost ownership) changes nothing
 A commit may carry the request's policy state (expertise routing's scores, the
 acceptance estimate adaptive depth works from) as JSON, written in the same
 atomic step, so a replica taking over continues from what the request learnt.
+
+Redis faults are statuses, never crashes: an unreachable or timed-out Redis is
+StoreUnavailable (UNAVAILABLE), a full one (maxmemory reached under the
+`noeviction` policy) is StoreFull (RESOURCE_EXHAUSTED). The client's socket
+timeouts (see `connect`) bound how long a call may take.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import time
 from dataclasses import dataclass, field
 
+import grpc
 import redis.asyncio as aioredis
+import redis.exceptions as redis_errors
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+
+from cosine.common.errors import ServiceError
 
 _CREATE = """
 if redis.call('HGET', KEYS[1], 'status') == 'running' then return 0 end
@@ -71,8 +84,68 @@ class RequestState:
     policy: dict | None = None  # the last commit's policy state, when it carried one
 
 
-class StaleCommit(Exception):
-    """A commit whose step fence no longer matches: another writer moved on."""
+class StoreUnavailable(ServiceError):
+    """Redis is unreachable, timed out, or not ready (loading, read-only)."""
+
+    def __init__(self, what: str):
+        super().__init__(grpc.StatusCode.UNAVAILABLE, f"the request state store (Redis) is unavailable ({what}); retry shortly")
+
+
+class StoreFull(ServiceError):
+    """Redis refused a write: it reached its memory limit (policy noeviction)."""
+
+    def __init__(self):
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                         "the request state store (Redis) is full; retry later (operators: raise its maxmemory or lower state TTLs)")
+
+
+class StaleCommit(ServiceError):
+    """A commit whose step fence no longer matches: another writer moved on (ABORTED), or the request's
+    state is gone, say after Redis restarted without persistence (UNAVAILABLE: retry the request)."""
+
+    def __init__(self, request_id: str, step: int, missing: bool):
+        if missing:
+            super().__init__(grpc.StatusCode.UNAVAILABLE,
+                             f"request {request_id}: its state is gone from the request state store (Redis restarted?); retry the request")
+        else:
+            super().__init__(grpc.StatusCode.ABORTED, f"request {request_id}: commit for step {step} rejected: another writer moved on")
+        self.missing = missing
+
+
+def _store_errors(method):
+    """Redis faults → StoreUnavailable / StoreFull; other errors (bugs) pass as they are."""
+    @functools.wraps(method)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except (redis_errors.ConnectionError, redis_errors.TimeoutError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise StoreUnavailable("timed out" if isinstance(exc, (redis_errors.TimeoutError, asyncio.TimeoutError, TimeoutError))
+                                   else "unreachable") from exc
+        except redis_errors.ResponseError as exc:
+            text = str(exc)
+            if isinstance(exc, redis_errors.OutOfMemoryError) or text.startswith("OOM") or "OOM command not allowed" in text:
+                raise StoreFull() from exc
+            if isinstance(exc, redis_errors.ReadOnlyError) or text.startswith(("READONLY", "MASTERDOWN", "LOADING", "BUSY")):
+                raise StoreUnavailable("not accepting writes now") from exc
+            raise
+    return wrapper
+
+
+def _store_error_of(exc: BaseException) -> BaseException:
+    """One reply's error in a pipeline (read with raise_on_error=False) as `_store_errors` maps it."""
+    if isinstance(exc, redis_errors.ResponseError):
+        text = str(exc)
+        if isinstance(exc, redis_errors.OutOfMemoryError) or text.startswith("OOM") or "OOM command not allowed" in text:
+            return StoreFull()
+        if isinstance(exc, redis_errors.ReadOnlyError) or text.startswith(("READONLY", "MASTERDOWN", "LOADING", "BUSY")):
+            return StoreUnavailable("not accepting writes now")
+    return exc
+
+
+def connect(url: str, timeout_s: float = 2.0) -> aioredis.Redis:
+    """A Redis client whose every call fails within about twice ``timeout_s`` (one quick retry for a blip)."""
+    return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                             retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), retries=1))
 
 
 class RequestStore:
@@ -85,6 +158,18 @@ class RequestStore:
         self._create = client.register_script(_CREATE)
         self._commit = client.register_script(_COMMIT)
 
+    @_store_errors
+    async def ping(self) -> bool:
+        """True when Redis answers (StoreUnavailable otherwise)."""
+        return bool(await self.client.ping())
+
+    async def reachable(self) -> bool:
+        try:
+            return await self.ping()
+        except ServiceError:
+            return False
+
+    @_store_errors
     async def create(self, request_id: str, prompt_token_ids: list[int], sampling: dict, params: dict) -> bool:
         """Create a running request; False if one with this id is running already (ended ones are replaced)."""
         key = req_key(request_id)
@@ -105,6 +190,7 @@ class RequestStore:
             args += [name, value]
         return await self._create(keys=[key, tokens_key(request_id)], args=args) == 1
 
+    @_store_errors
     async def commit(self, request_id: str, step: int, token_ids: list[int], drafted: int, accepted: int,
                      policy: dict | None = None) -> int:
         """Append the tokens of round `step` (and replace the policy state, when given); returns the next step.
@@ -114,9 +200,10 @@ class RequestStore:
             args.append(json.dumps(policy, separators=(",", ":")))
         result = await self._commit(keys=[req_key(request_id), tokens_key(request_id)], args=args)
         if result != 1:
-            raise StaleCommit(f"request {request_id}: commit for step {step} rejected ({'missing' if result == -1 else 'stale'})")
+            raise StaleCommit(request_id, step, missing=result == -1)
         return step + 1
 
+    @_store_errors
     async def commit_many(self, rounds: list[tuple[str, int, list[int], int, int, dict | None]]) -> list[BaseException | None]:
         """Commit many requests' rounds, each `(request_id, step, token_ids, drafted, accepted, policy)`, in one
         pipeline (one round trip); each fenced like `commit`. One result per round: None, or the StaleCommit (or
@@ -133,14 +220,14 @@ class RequestStore:
         out: list[BaseException | None] = []
         for (request_id, step, *_), reply in zip(rounds, replies):
             if isinstance(reply, BaseException):
-                out.append(reply)
+                out.append(_store_error_of(reply))
             elif reply != 1:
-                out.append(StaleCommit(f"request {request_id}: commit for step {step} rejected "
-                                       f"({'missing' if reply == -1 else 'stale'})"))
+                out.append(StaleCommit(request_id, step, missing=reply == -1))
             else:
                 out.append(None)
         return out
 
+    @_store_errors
     async def finish(self, request_id: str, status: str, finish_reason: str = "") -> None:
         """Mark the request ended (finished, cancelled, failed); keeps it for finished_ttl_s."""
         async with self.client.pipeline(transaction=True) as pipe:
@@ -149,6 +236,7 @@ class RequestStore:
             pipe.expire(tokens_key(request_id), self.finished_ttl_s)
             await pipe.execute()
 
+    @_store_errors
     async def load(self, request_id: str) -> RequestState | None:
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.hgetall(req_key(request_id))

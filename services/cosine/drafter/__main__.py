@@ -20,12 +20,14 @@ class DrafterSettings(ModelSettings):
     model_config = ModelSettings.model_config | {"env_prefix": "COSINE_DRAFTER_"}
 
     name: str = Field("ngram", description="the name requests and fusion use for this drafter")
-    kind: Literal["lm", "ngram"] = Field("ngram", description="lm: a small causal LM; ngram: prompt lookup")
+    kind: Literal["lm", "ngram", "suffix"] = Field(
+        "ngram", description="lm: a small causal LM; ngram: prompt lookup; suffix: suffix decoding with a global memory")
     domain: str = Field("general", description="the domain this drafter specialises in")
     max_depth: int = Field(32, ge=1, description="most tokens proposed per step")
     backend: Literal["auto", "native", "transformers"] = Field(
         "auto", description="for lm: the native engine for Llama-family checkpoints (auto), or transformers")
     max_requests: int = Field(16, ge=1, description="for lm on the native engine: KV slots, one per live request")
+    memory_tokens: int = Field(131072, ge=0, description="for suffix: the global index's bound in tokens (0: no global index)")
 
 
 def build(settings: DrafterSettings):
@@ -40,6 +42,10 @@ def build(settings: DrafterSettings):
         torch.set_num_threads(settings.threads)
     if settings.kind == "ngram":
         return NgramDrafter(settings.name), ""
+    if settings.kind == "suffix":
+        from cosine.engine.suffix import SuffixDrafter, SuffixMemory
+
+        return SuffixDrafter(settings.name, SuffixMemory(settings.memory_tokens) if settings.memory_tokens else None), ""
     path = path_of(settings.model or "lm-2layer")
     tok_size, tok_hash = tokenizer_fingerprint(path)
     vocab = DraftVocab.load(path)  # a reduced drafting vocabulary, when the checkpoint has one
@@ -78,6 +84,10 @@ async def serve(settings: DrafterSettings) -> GrpcService:
     name = f"drafter-{settings.name}"
     service = GrpcService(name, settings, register, on_stop)
     m = service.metrics
+    if getattr(drafter, "memory", None) is not None:
+        from cosine.drafter.metrics import MemoryCollector
+
+        m.registry.register(MemoryCollector(settings.name, drafter.memory))
     worker = ModelWorker(name, m.worker_busy_seconds.labels(name), m.worker_queue_depth.labels(name))
     servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth, service.tracing)
     service.servicer = servicer

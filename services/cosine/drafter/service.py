@@ -6,12 +6,13 @@ import logging
 
 import grpc
 
-from cosine.common.errors import invalid
+from cosine.common.errors import ServiceError, invalid
 from cosine.common.streams import ModelWorker
 from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from cosine.engine.drafters import Drafter
+from cosine.engine.kv_cache import SlotsFull
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,7 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
         self.worker = worker
         self.tokenizer_hash = tokenizer_hash
         self.max_depth = max_depth
+        self.open_ids: set[str] = set()  # request ids a stream holds here: a second open of one is refused
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -46,8 +48,16 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                         raise invalid("Draft stream opened twice")
                     if not message.open.prompt_token_ids:
                         raise invalid("Draft open needs the prompt's token ids")
+                    if message.open.request_id in self.open_ids:  # never take over another stream's cache
+                        raise ServiceError(grpc.StatusCode.ALREADY_EXISTS,
+                                           f"request {message.open.request_id} is already open on drafter {self.drafter.name}")
                     request_id = message.open.request_id
-                    await self.worker.run(self.drafter.open, request_id, list(message.open.prompt_token_ids))
+                    self.open_ids.add(request_id)
+                    try:
+                        await self.worker.run(self.drafter.open, request_id, list(message.open.prompt_token_ids))
+                    except SlotsFull:
+                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                           f"drafter {self.drafter.name} has no free KV slot; retry later") from None
                     if message.open.score_prompt:  # expertise routing's prior: answer the open
                         fit = await self.worker.run(self.drafter.score_prompt, request_id)
                         yield drafter_pb2.DraftResponse(prompt_fit=common_pb2.PromptFit(
@@ -76,6 +86,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     raise invalid("Draft message has neither open nor step")
         finally:
             if request_id is not None:
+                # the worker runs calls in order: an open of the same id queued after this finds it released
+                self.open_ids.discard(request_id)
                 self.worker.submit(self.drafter.release, request_id)
 
     def _candidates(self, request_id: str, committed: list[int], depth: int, context: list[int], top_k: int) -> drafter_pb2.DraftResponse:

@@ -18,6 +18,10 @@ from __future__ import annotations
 import torch
 
 
+class SlotsFull(RuntimeError):
+    """Every slot is taken: the caller should refuse the request (a retry later may find one free)."""
+
+
 class SlotKVCache:
     def __init__(
         self,
@@ -48,7 +52,7 @@ class SlotKVCache:
 
     def allocate(self) -> int:
         if not self._free:
-            raise RuntimeError(f"all {self.n_slots} KV cache slots are in use")
+            raise SlotsFull(f"all {self.n_slots} KV cache slots are in use")
         slot = self._free.pop()
         self._used.add(slot)
         self.lengths[slot] = 0

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, run_service
+from cosine.common.server import GrpcService, open_channel, run_service
 from cosine.drafter.v1 import drafter_pb2_grpc
+from cosine.fusion.health import HealthConfig
 from cosine.fusion.service import FusionMetrics, FusionServicer
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 
@@ -34,6 +34,13 @@ class FusionSettings(ServiceSettings):
 
     drafters: str = Field("", description="drafter endpoints: NAME=HOST:PORT,NAME=HOST:PORT")
     top_k: int = Field(3, ge=1, le=16, description="confidence fusion: candidates each drafter proposes per step")
+    # a drafter that fails, hangs or is full is dropped for that request, which goes on with the rest (or plain decoding)
+    drafter_deadline_floor_s: float = Field(1.0, gt=0, description="shortest deadline of one drafter call")
+    drafter_deadline_factor: float = Field(5.0, ge=1, description="a call's deadline: this × the drafter's measured time per drafted position × positions")
+    drafter_first_call_s: float = Field(10.0, gt=0, description="shortest deadline of a request's first call to a drafter (it prefills the prompt)")
+    drafter_failures_to_skip: int = Field(3, ge=1, description="failures in a row after which new requests skip a drafter until it passes a health check")
+    drafter_backoff_s: float = Field(2.0, gt=0, description="wait before a skipped drafter is first health-checked (doubles while it fails)")
+    drafter_max_backoff_s: float = Field(30.0, gt=0, description="longest wait between health checks of a skipped drafter")
 
     @field_validator("drafters")
     @classmethod
@@ -45,9 +52,15 @@ class FusionSettings(ServiceSettings):
     def endpoints(self) -> dict[str, str]:
         return parse_endpoints(self.drafters)
 
+    def health(self) -> HealthConfig:
+        return HealthConfig(failures_to_skip=self.drafter_failures_to_skip, backoff_s=self.drafter_backoff_s,
+                            max_backoff_s=max(self.drafter_backoff_s, self.drafter_max_backoff_s),
+                            floor_s=self.drafter_deadline_floor_s, factor=self.drafter_deadline_factor,
+                            first_s=self.drafter_first_call_s)
+
 
 async def serve(settings: FusionSettings) -> GrpcService:
-    channels = {name: grpc.aio.insecure_channel(addr, options=channel_options(settings)) for name, addr in settings.endpoints.items()}
+    channels = {name: open_channel(addr, settings) for name, addr in settings.endpoints.items()}
 
     def register(server):
         fusion_pb2_grpc.add_FusionServicer_to_server(servicer, server)
@@ -58,7 +71,7 @@ async def serve(settings: FusionSettings) -> GrpcService:
 
     service = GrpcService("fusion", settings, register, on_stop)
     servicer = FusionServicer({name: drafter_pb2_grpc.DrafterStub(ch) for name, ch in channels.items()},
-                              FusionMetrics(service.metrics.registry), service.tracing, settings.top_k)
+                              FusionMetrics(service.metrics.registry), service.tracing, settings.top_k, settings.health())
     service.servicer = servicer
     await service.start()
     await service.set_ready()

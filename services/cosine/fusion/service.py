@@ -14,7 +14,9 @@ from cosine.common.streams import close_quietly, exchange
 from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
+from cosine.engine.tree import DraftTree
 from cosine.fusion.confidence import ConfidenceFusion, merge_only, single_chain
+from cosine.fusion.health import HealthConfig, HealthView
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -36,6 +38,11 @@ class FusionMetrics:
         self.fused = Counter(
             "cosine_fusion_fused_tokens_total", "confidence fusion: fused-chain tokens each drafter won", ["drafter"], registry=registry)
         self.rounds = Counter("cosine_fusion_rounds_total", "rounds drafted, by fusion mode", ["mode"], registry=registry)
+        self.dropped = Counter("cosine_fusion_drafter_dropped_total",
+                               "drafters dropped from a request (the request goes on without them), by reason: failed, timeout, full",
+                               ["drafter", "reason"], registry=registry)
+        self.skipped = Counter("cosine_fusion_drafter_skipped_total",
+                               "times a drafter was taken out of use for new requests after repeated failures", ["drafter"], registry=registry)
 
     def judge(self, chains: dict[str, list[int]], committed: list[int], context: list[int] | None = None) -> None:
         """committed: accepted drafts then the target's own token, so at most len - 1 are drafts.
@@ -57,15 +64,18 @@ class FusionMetrics:
 
 class _Request:
     """One Speculate stream: the drafters it may use, their streams (opened on first use), and the
-    committed tokens each has not been sent yet."""
+    committed tokens each has not been sent yet.
 
-    def __init__(self, open_msg, names: list[str], mode: str):
+    ``names``: the drafters the open named (rounds may name only these); ``pending`` holds the ones
+    still in use: a drafter that failed, hung or was full is dropped from it for good."""
+
+    def __init__(self, open_msg, names: list[str], mode: str, usable: list[str] | None = None):
         self.request_id = open_msg.request_id
         self.prompt = list(open_msg.prompt_token_ids)
         self.names = names
         self.mode = mode
         self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
-        self.pending: dict[str, list[int]] = {n: [] for n in names}
+        self.pending: dict[str, list[int]] = {n: [] for n in (names if usable is None else usable)}
         # the previous round's proposals and their context, judged when its outcome arrives
         self.chains: dict[str, list[int]] = {}
         self.context: list[int] | None = None
@@ -75,20 +85,77 @@ class _Request:
         committed, self.pending[name] = self.pending[name], []
         return committed
 
+    def active(self, names: list[str]) -> list[str]:
+        """Those of `names` still in use, in order."""
+        return [n for n in names if n in self.pending]
+
+    def drop(self, name: str) -> None:
+        self.pending.pop(name, None)
+        close_quietly(self.calls.pop(name, None))
+
 
 class FusionServicer(fusion_pb2_grpc.FusionServicer):
-    """``top_k``: candidates per drafter and step in confidence fusion (side branches of the tree)."""
+    """``top_k``: candidates per drafter and step in confidence fusion (side branches of the tree).
+    ``health``: deadlines and skipping of failing drafters (see health.py); ``probe_timeout_s``: how
+    long the health check of a skipped drafter may take."""
 
     def __init__(self, drafters: dict[str, drafter_pb2_grpc.DrafterStub], metrics: FusionMetrics | None = None,
-                 tracing: Tracing | None = None, top_k: int = 3):
+                 tracing: Tracing | None = None, top_k: int = 3, health: HealthConfig | None = None,
+                 probe_timeout_s: float = 2.0, clock=time.monotonic):
         self.drafters = drafters
         self.metrics = metrics or FusionMetrics()
         self.tracing = tracing or Tracing("fusion")
         self.top_k = top_k
+        self.health = HealthView(list(drafters), health or HealthConfig())
+        self.probe_timeout_s = probe_timeout_s
+        self.clock = clock
+        self._infos: dict[str, common_pb2.ModelInfo] = {}  # each drafter's last answer to Info
+        self._asked: set[str] = set()  # drafters ListDrafters asked before
+        self._probes: set[asyncio.Task] = set()
 
     async def ListDrafters(self, request, context):
-        infos = await asyncio.gather(*(stub.Info(common_pb2.InfoRequest(), timeout=10, metadata=self.tracing.metadata()) for stub in self.drafters.values()))
+        """Every drafter of this node. One that does not answer now is listed with what it said last
+        (or its name alone): a dead drafter must not make requests that name it invalid."""
+        self._start_probes()
+
+        remaining = context.time_remaining()
+
+        async def one(name, stub):
+            known = self._infos.get(name)
+            patient = name not in self._asked  # the first time, a drafter may still be starting: wait for it a while
+            self._asked.add(name)
+            timeout = 10.0 if patient else self.probe_timeout_s
+            if remaining is not None:
+                timeout = max(0.1, min(timeout, 0.8 * remaining))  # answer within the caller's deadline
+            try:
+                info = await stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=patient,
+                                       metadata=self.tracing.metadata())
+            except grpc.RpcError as exc:
+                log.warning("drafter %s did not answer Info: %s", name, exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc)
+                return known or common_pb2.ModelInfo(name=name)
+            self._infos[name] = info
+            return info
+        infos = await asyncio.gather(*(one(n, stub) for n, stub in self.drafters.items()))
         return fusion_pb2.DrafterList(drafters=infos)
+
+    def _start_probes(self) -> None:
+        """Health-check each skipped drafter whose backoff is over (in the background: nobody waits on it)."""
+        for name in self.health.probes_due(self.clock()):
+            task = asyncio.get_running_loop().create_task(self._probe(name))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+
+    async def _probe(self, name: str) -> None:
+        try:
+            self._infos[name] = await self.drafters[name].Info(common_pb2.InfoRequest(), timeout=self.probe_timeout_s)
+            ok = True
+        except grpc.RpcError:
+            ok = False
+        self.health.probe_result(name, ok, self.clock())
+        if ok:
+            log.info("drafter %s passed its health check: new requests use it again", name)
+        else:
+            log.info("drafter %s failed its health check: still skipped", name)
 
     async def Speculate(self, request_iterator, context: grpc.aio.ServicerContext):
         req: _Request | None = None
@@ -126,7 +193,9 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             raise invalid(f"unknown drafter(s) {unknown}; this fusion node has {sorted(self.drafters)}")
         if open_msg.fusion not in MODES:
             raise invalid(f"unknown fusion mode {open_msg.fusion}")
-        req = _Request(open_msg, names, MODES[open_msg.fusion])
+        self._start_probes()
+        # drafters out of use after repeated failures are left out: the request drafts with the rest, or not at all
+        req = _Request(open_msg, names, MODES[open_msg.fusion], [n for n in names if self.health.usable(n)])
         req.metadata = self.tracing.metadata()  # drafter streams opened later are children of this Speculate call
         return req
 
@@ -146,13 +215,38 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             await call.write(self._open_message(req))
         return call
 
-    @staticmethod
-    async def _gather(coros) -> list:
-        """Run one call per drafter together; a drafter's failure is fusion's UNAVAILABLE."""
-        try:
-            return await asyncio.gather(*coros)
-        except grpc.aio.AioRpcError as exc:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"a drafter failed: {exc.details()}") from exc
+    async def _ask(self, req: _Request, names: list[str], send, positions: int) -> dict:
+        """``send(name)`` to each drafter together, each within its deadline; returns the replies of
+        those that answered. A drafter that failed, timed out or was full is dropped from the request."""
+        async def one(name):
+            first = name not in req.calls  # its first call also prefills the prompt
+            started = self.clock()
+            try:
+                reply = await asyncio.wait_for(send(name), self.health.deadline(name, positions, first))
+            except (asyncio.TimeoutError, ServiceError, grpc.RpcError, asyncio.InvalidStateError) as exc:
+                self._drop(req, name, exc)
+                return None
+            self.health.success(name, None if first else self.clock() - started, positions)
+            return reply
+        replies = await asyncio.gather(*(one(n) for n in names))
+        return {n: r for n, r in zip(names, replies) if r is not None}
+
+    def _drop(self, req: _Request, name: str, exc: BaseException) -> None:
+        code = exc.code if isinstance(exc, ServiceError) else exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
+        if isinstance(exc, asyncio.TimeoutError):
+            reason = "timeout"
+        elif code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            reason = "full"  # alive, only busy: its health does not change
+        else:
+            reason = "failed"
+        req.drop(name)
+        self.metrics.dropped.labels(name, reason).inc()
+        log.warning("request %s goes on without drafter %s (%s: %s)", req.request_id, name, reason,
+                    getattr(exc, "message", None) or (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__))
+        if reason != "full" and self.health.failure(name, self.clock()):
+            self.metrics.skipped.labels(name).inc()
+            log.warning("drafter %s failed %d times in a row: new requests skip it until it passes a health check",
+                        name, self.health.config.failures_to_skip)
 
     async def _score(self, req: _Request, context) -> list:
         """Open every drafter of the request now; each prefills the prompt and reports how well it predicted it."""
@@ -160,24 +254,29 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             call = self._open_call(req, name, context)
             reply = await exchange(call, self._open_message(req, score_prompt=True), f"drafter {name}")
             return reply.prompt_fit
-        return await self._gather(one(n) for n in req.names)
+        # the open is each drafter's first call (the deadline allows for the prefill) and opens its stream
+        names = req.active(req.names)
+        fits = await self._ask(req, names, lambda n: one(n), 0) if names else {}
+        return list(fits.values())
 
-    async def _exchange(self, req: _Request, names: list[str], steps: dict[str, drafter_pb2.DraftStep], context) -> list:
+    async def _exchange(self, req: _Request, names: list[str], steps: dict[str, drafter_pb2.DraftStep], context,
+                        positions: int) -> dict:
         async def one(name):
             call = await self._call(req, name, context)
             return await exchange(call, drafter_pb2.DraftRequest(step=steps[name]), f"drafter {name}")
-        return await self._gather(one(n) for n in names)
+        return await self._ask(req, names, one, positions)
 
     async def _round(self, req: _Request, round_msg, context) -> fusion_pb2.SpeculateResponse:
         started = time.perf_counter()
         names = list(dict.fromkeys(round_msg.drafters)) or req.names
-        outside = [n for n in names if n not in req.pending]
+        outside = [n for n in names if n not in req.names]
         if outside:
             raise invalid(f"round names drafter(s) {outside} the open did not: {req.names}")
+        names = req.active(names)  # dropped drafters are left out: an empty list drafts nothing (plain decoding)
         if req.mode == "single":
             names = names[:1]
         depth = round_msg.depth
-        budget = round_msg.budget or max(depth, 1) * len(names)
+        budget = round_msg.budget or max(depth, 1) * max(len(names), 1)
         ahead = list(round_msg.context_token_ids)  # drafting ahead: continue from these uncommitted tokens
         with self.tracing.span("fusion.round", {"cosine.depth": depth, "cosine.drafters": len(names), "cosine.fusion": req.mode},
                                parent=round_msg.trace_context) as span:
@@ -189,10 +288,12 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             else:
                 steps = {n: drafter_pb2.DraftStep(committed_token_ids=req.take(n), depth=depth, context_token_ids=ahead,
                                                   trace_context=trace) for n in names}
-                replies = await self._exchange(req, names, steps, context)
-                chains = {n: (list(r.token_ids), list(r.probs)) for n, r in zip(names, replies)}
+                replies = await self._exchange(req, names, steps, context, depth) if names else {}
+                chains = {n: (list(r.token_ids), list(r.probs)) for n, r in replies.items()}
                 fused = None
-                if req.mode == "single":
+                if not chains:
+                    tree = DraftTree()
+                elif req.mode == "single":
                     tree = single_chain(*chains[names[0]], budget)
                 else:
                     tree = merge_only(chains, budget)
@@ -217,13 +318,16 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         first = True
         asked = 0  # steps the drafters were asked for
         while not fusion.done:
+            live = req.active(names)  # a drafter dropped at some step proposes no more; its chain so far stays
+            if not live:
+                break
             asked += 1
             steps = {n: drafter_pb2.DraftStep(committed_token_ids=req.take(n) if first else [], depth=1, top_k=self.top_k,
-                                              context_token_ids=list(ahead) + fusion.chain, trace_context=trace) for n in names}
+                                              context_token_ids=list(ahead) + fusion.chain, trace_context=trace) for n in live}
             first = False
-            replies = await self._exchange(req, names, steps, context)
+            replies = await self._exchange(req, live, steps, context, 1)
             candidates = {}
-            for n, r in zip(names, replies):
+            for n, r in replies.items():
                 cands = list(zip(r.candidates[0].token_ids, r.candidates[0].probs)) if r.candidates else []
                 candidates[n] = cands
                 if cands and n not in ended:

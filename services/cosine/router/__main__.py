@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
-import grpc
 from pydantic import Field
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, run_service
+from cosine.common.server import GrpcService, open_channel, run_service
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.router import policy
 from cosine.router.service import DrafterDirectory, RouterMetrics, RouterServicer
@@ -29,6 +30,20 @@ class RouterSettings(ServiceSettings):
     max_new_tokens_limit: int = Field(2048, ge=1)
     max_depth: int = Field(16, ge=0, description="largest speculation.max_depth accepted")
     api_keys: list[str] = Field([], description="if set, callers must send 'authorization: Bearer <key>'")
+    api_keys_file: str = Field("", description="file with a JSON list of further accepted keys (e.g. a mounted Secret)")
+    max_streams: int = Field(16, ge=0, description=(
+        "admission: most Generate streams in progress at once; the excess gets RESOURCE_EXHAUSTED at once "
+        "(set it to the KV slots the verifiers hold, Σ max_slots; 0: no limit)"))
+    default_timeout_s: float = Field(600.0, gt=0, description="deadline of a request whose client set none")
+
+    def accepted_keys(self) -> set[str]:
+        keys = set(self.api_keys)
+        if self.api_keys_file:
+            listed = json.loads(Path(self.api_keys_file).read_text())
+            if not isinstance(listed, list) or not all(isinstance(k, str) and k for k in listed):
+                raise ValueError(f"{self.api_keys_file} must hold a JSON list of non-empty strings")
+            keys |= set(listed)
+        return keys
 
 
 async def serve(settings: RouterSettings) -> GrpcService:
@@ -40,9 +55,8 @@ async def serve(settings: RouterSettings) -> GrpcService:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     max_context = int(getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", 2048))
     limits = policy.Limits(settings.max_new_tokens_default, settings.max_new_tokens_limit, max_context, max_depth=settings.max_depth)
-    options = channel_options(settings)
-    scheduler_channel = grpc.aio.insecure_channel(settings.scheduler, options=options)
-    fusion_channel = grpc.aio.insecure_channel(settings.fusion, options=options)
+    scheduler_channel = open_channel(settings.scheduler, settings)
+    fusion_channel = open_channel(settings.fusion, settings)
 
     def register(server):
         router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
@@ -60,8 +74,10 @@ async def serve(settings: RouterSettings) -> GrpcService:
         limits,
         settings.default_drafters,
         RouterMetrics(service.metrics.registry),
-        set(settings.api_keys),
+        settings.accepted_keys(),
         service.tracing,
+        max_streams=settings.max_streams,
+        default_timeout_s=settings.default_timeout_s,
     )
     service.servicer = servicer
     await service.start()

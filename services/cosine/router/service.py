@@ -62,7 +62,7 @@ class DrafterDirectory:
 class RouterServicer(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer, scheduler: scheduler_pb2_grpc.SchedulerStub, drafters: DrafterDirectory,
                  limits: policy.Limits, default_drafters: list[str], metrics: RouterMetrics, api_keys: set[str] = frozenset(),
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, max_streams: int = 0, default_timeout_s: float = 600.0):
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.drafters = drafters
@@ -71,6 +71,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.metrics = metrics
         self.api_keys = set(api_keys)
         self.tracing = tracing or Tracing("router")
+        self.max_streams = max_streams  # admission limit (0: none)
+        self.default_timeout_s = default_timeout_s
+        self.streams = 0  # admitted streams in progress
         eos = tokenizer.eos_token_id
         self.stop_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
 
@@ -98,8 +101,16 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         started = time.perf_counter()
         outcome = "error"
         self.metrics.in_flight.inc()
+        admitted = False
         try:
             self._authenticate(context)
+            # admission: only what the verifiers' slots hold; the excess is told at once to come back later
+            if self.max_streams and self.streams >= self.max_streams:
+                outcome = "rejected"
+                raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"the server is at capacity ({self.max_streams} streams in progress); retry later, with backoff")
+            self.streams += 1
+            admitted = True
             rid = request.request_id or uuid.uuid4().hex
             try:
                 known = await self.drafters.names(list(request.speculation.drafters))
@@ -116,6 +127,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             outcome = "cancelled"
             raise
         finally:
+            if admitted:
+                self.streams -= 1
             self.metrics.in_flight.dec()
             self.metrics.requests.labels(outcome).inc()
 
@@ -141,7 +154,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         if self.tracing.enabled:
             set_span_attributes({"cosine.request_id": rid, "cosine.prompt_tokens": len(prompt_ids),
                                  "cosine.max_new_tokens": admission.max_new_tokens, "cosine.drafters": list(speculation.drafters)})
-        call = self.scheduler.Submit(submit, timeout=context.time_remaining(), metadata=self.tracing.metadata())
+        remaining = context.time_remaining()
+        timeout = self.default_timeout_s if remaining is None else remaining
+        call = self.scheduler.Submit(submit, timeout=timeout, metadata=self.tracing.metadata())
         text = StreamText(self.tokenizer, admission.stop)
         stats = common_pb2.Stats(drafters=list(speculation.drafters))
         completion = 0
@@ -167,6 +182,12 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     finish = reply.final.finish_reason
                     del stats.drafters[:]  # the drafters that drafted, as the scheduler's routing chose them
                     stats.drafters.extend(reply.final.stats.drafters)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                whose = f"the server's default of {self.default_timeout_s:g}s, as the client set none" if remaining is None else "the client's"
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   f"the request ran past its deadline ({whose}); set a longer deadline or ask for fewer tokens") from None
+            raise
         finally:
             call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
         if finish == common_pb2.FINISH_REASON_UNSPECIFIED:

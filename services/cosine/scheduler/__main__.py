@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import logging
 
-import grpc
-import redis.asyncio as aioredis
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, channel_options, run_service
-from cosine.common.state import RequestStore
+from cosine.common.server import GrpcService, open_channel, run_service
+from cosine.common.state import RequestStore, connect
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.scheduler.service import SchedulerConfig, SchedulerMetrics, SchedulerServicer
@@ -31,6 +29,9 @@ class SchedulerSettings(ServiceSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding request state")
     state_ttl_s: int = Field(3600, ge=1, description="TTL of a live request's state, refreshed on every write")
     finished_ttl_s: int = Field(600, ge=1, description="how long an ended request's state is kept")
+    redis_timeout_s: float = Field(2.0, gt=0, description="socket timeout of each Redis call (connect and reply); "
+                                   "a Redis call fails with UNAVAILABLE within about twice this")
+    redis_check_interval_s: float = Field(1.0, gt=0, description="how often readiness checks Redis (NOT_SERVING while unreachable)")
     default_depth: int = Field(4, ge=0, description="draft depth per round unless a request says otherwise")
     max_depth: int = Field(16, ge=0, description="largest draft depth a request may ask for")
     startup_timeout_s: float = Field(600, ge=1, description="how long to wait for verifier and fusion at start-up")
@@ -75,12 +76,11 @@ async def check_models(verifier: verifier_pb2_grpc.VerifierStub, fusion: fusion_
 
 
 async def serve(settings: SchedulerSettings) -> GrpcService:
-    options = channel_options(settings)
-    verifier_channel = grpc.aio.insecure_channel(settings.verifier, options=options)
-    fusion_channel = grpc.aio.insecure_channel(settings.fusion, options=options)
+    verifier_channel = open_channel(settings.verifier, settings)
+    fusion_channel = open_channel(settings.fusion, settings)
     verifier = verifier_pb2_grpc.VerifierStub(verifier_channel)
     fusion = fusion_pb2_grpc.FusionStub(fusion_channel)
-    client = aioredis.from_url(settings.redis_url)
+    client = connect(settings.redis_url, settings.redis_timeout_s)
     await client.ping()
     store = RequestStore(client, settings.state_ttl_s, settings.finished_ttl_s)
 
@@ -107,6 +107,7 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
     log.info("target %s (vocab %d, context %d); drafters %s; switches %s", target.name, target.vocab_size, target.max_context,
              [d.name for d in drafters], config.switches)
     await service.set_ready()
+    service.watch_readiness("Redis", store.reachable, settings.redis_check_interval_s)
     return service
 
 

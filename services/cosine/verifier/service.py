@@ -43,6 +43,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # streams holding or opening a KV cache: counted on the event loop before the open is awaited,
         # so two concurrent opens cannot both pass the check for the last slot
         self.slots_taken = 0
+        self.open_ids: set[str] = set()  # request ids a stream holds here: a second open of one is refused
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -70,7 +71,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _take_slot(self) -> None:
         if self.slots_taken >= self.max_slots:
-            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"verifier holds {self.max_slots} requests already")
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the verifier holds {self.max_slots} requests already; retry later")
         self.slots_taken += 1
 
     def _tree(self, message: verifier_pb2.VerifyRound) -> DraftTree:
@@ -95,20 +97,23 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         if held.pop(rid, None) is not None:
                             self.worker.submit(self.engine.release, rid)
                             self.slots_taken -= 1
+                            self.open_ids.discard(rid)
                         continue
                     try:
                         if not rid:
                             raise invalid("a VerifySteps entry needs a request_id")
                         if kind == "open":
-                            if rid in held:
-                                raise invalid(f"request {rid} is open on this stream already")
                             committed, sampling = self._check_open(entry.open)
+                            if rid in self.open_ids:  # never take over another stream's cache
+                                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already open on the verifier")
                             self._take_slot()
                             held[rid] = sampling
+                            self.open_ids.add(rid)
                             try:
                                 await self.worker.run(self.engine.open, rid, committed, entry.open.prompt_len)
                             except BaseException:
                                 held.pop(rid, None)
+                                self.open_ids.discard(rid)
                                 self.slots_taken -= 1
                                 raise
                             results.append(verifier_pb2.VerifyEntryResult(request_id=rid, opened=verifier_pb2.VerifyOpened()))
@@ -140,6 +145,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         finally:
             for rid in held:
                 self.worker.submit(self.engine.release, rid)
+                self.open_ids.discard(rid)
             self.slots_taken -= len(held)
 
     @staticmethod
@@ -167,9 +173,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     if request_id is not None:
                         raise invalid("Verify stream opened twice")
                     committed, sampling = self._check_open(message.open)
+                    if message.open.request_id in self.open_ids:  # never take over another stream's cache
+                        raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {message.open.request_id} is already open on the verifier")
                     self._take_slot()  # taken before the await: the check and the taking are one step
                     holds_slot = True
                     request_id = message.open.request_id
+                    self.open_ids.add(request_id)
                     await self.worker.run(self.engine.open, request_id, committed, message.open.prompt_len)
                 elif kind == "round":
                     if request_id is None:
@@ -190,6 +199,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         finally:
             if request_id is not None:
                 # the worker runs calls in order, so an open queued after this release finds the slot free
+                self.open_ids.discard(request_id)
                 self.worker.submit(self.engine.release, request_id)
             if holds_slot:
                 self.slots_taken -= 1

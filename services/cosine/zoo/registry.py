@@ -19,7 +19,7 @@ CARD = "cosine.json"
 @dataclass
 class ModelEntry:
     name: str
-    kind: str  # target | lm | ngram
+    kind: str  # target | lm | ngram | suffix
     domain: str
     path: str  # "" for drafters without weights
     description: str = ""
@@ -34,7 +34,8 @@ def models_dir() -> Path:
 
 
 # Drafters that need no weights are always in the zoo.
-BUILTIN = [ModelEntry("ngram", "ngram", "general", "", "prompt lookup over the request's own tokens")]
+BUILTIN = [ModelEntry("suffix", "suffix", "general", "", "suffix decoding over the request's own tokens and earlier outputs"),
+           ModelEntry("ngram", "ngram", "general", "", "prompt lookup over the request's own tokens")]
 
 
 def list_models() -> list[ModelEntry]:

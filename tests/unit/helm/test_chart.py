@@ -14,7 +14,7 @@ import yaml
 from cosine.common.ports import DEFAULT_PORTS, METRICS_PORTS, REDIS_PORT
 from cosine.common.server import LIVENESS, READINESS
 
-from .conftest import CHART, EXAMPLES, RENDER_NAMES, helm, load_values, notes, pod_specs, render
+from .conftest import CHART, EXAMPLES, NAMESPACE, NO_CRDS, RENDER_NAMES, helm, load_values, notes, pod_specs, render
 
 pytestmark = pytest.mark.unit
 
@@ -79,14 +79,16 @@ def test_accelerator_requests_and_tolerations_only_on_drafters_and_verifier(rend
         if any(gpu_requests):
             assert gpu_requests[0] == gpu_requests[1] >= 1, component
             assert any("gpu" in t.get("key", "") for t in tolerations), component
-            assert spec.get("nodeSelector"), f"{component}: a GPU pod must select the GPU pool"
+            if name.removesuffix(NO_CRDS) != "gpu-pools":
+                # placed by its GPU request alone: no label that only some GPU nodes carry (node feature discovery)
+                assert "nodeSelector" not in spec, component
             env = env_of(spec["containers"][0])
             assert env.get("COSINE_VERIFIER_DEVICE", env.get("COSINE_DRAFTER_DEVICE")).startswith("cuda")
             assert spec["containers"][0]["image"].endswith("-cuda") or "@sha256:" in spec["containers"][0]["image"]
     gpu_pods = {c for c, s in pod_specs(docs).items() if s["containers"][0]["resources"].get("limits", {}).get("nvidia.com/gpu")}
-    if name == "cpu-only":
+    if name.removesuffix(NO_CRDS) == "cpu-only":
         assert gpu_pods == set()
-    elif name == "gpu-pools":
+    elif name.removesuffix(NO_CRDS) == "gpu-pools":
         specs = pod_specs(docs)
         assert gpu_pods == {"verifier", "drafter-lm-2layer"}
         assert specs["verifier"]["nodeSelector"] == {"cosine.io/pool": "verifier-gpu"}
@@ -99,8 +101,9 @@ def test_accelerator_requests_and_tolerations_only_on_drafters_and_verifier(rend
 def test_probes_ask_for_the_health_names_the_servers_serve(renders, name):
     for component, dep in deployments(renders[name]).items():
         container = dep["spec"]["template"]["spec"]["containers"][0]
-        port = container["ports"][0]["containerPort"]
         assert container["ports"][0]["name"] == "grpc"
+        # with TLS on the gRPC port, probes ask the plaintext health port (the kubelet's gRPC probes cannot speak TLS)
+        port = next((p for p in container["ports"] if p["name"] == "health"), container["ports"][0])["containerPort"]
         for probe, service in (("startupProbe", LIVENESS), ("livenessProbe", LIVENESS), ("readinessProbe", READINESS)):
             assert container[probe]["grpc"] == {"port": port, "service": service}, (component, probe)
         startup = container["startupProbe"]
@@ -164,8 +167,13 @@ def test_wiring_reaches_the_ports_services_listen_on(renders, name, monkeypatch)
             assert component == f"drafter-{s.name}"
 
     def reaches(address: str) -> bool:
-        host, _, port = address.rpartition(":")
-        return listening.get(host) == int(port)
+        """dns:///SERVICE.NAMESPACE.svc.cluster.local:PORT of a headless Service whose pods listen on PORT."""
+        assert address.startswith("dns:///"), address
+        host, _, port = address.removeprefix("dns:///").rpartition(":")
+        service, _, domain = host.partition(".")
+        assert domain == f"{NAMESPACE}.svc.cluster.local", address
+        assert services[service]["spec"].get("clusterIP") == "None", f"{service}: callers spread over pods only via a headless Service"
+        return listening.get(service) == int(port)
 
     assert reaches(settings["router"].scheduler) and reaches(settings["router"].fusion)
     assert reaches(settings["scheduler"].verifier) and reaches(settings["scheduler"].fusion)
@@ -192,6 +200,12 @@ def test_pod_security(renders, name):
         assert "/tmp" in writable, component
         for c in spec["containers"] + spec.get("initContainers", []):
             sc = c["securityContext"]
+            if c["name"] == "own-models":
+                # hostPath only: root with CAP_CHOWN alone, chowning the cache directory to the pods' user
+                assert load_values(name)["models"]["storage"]["type"] == "hostPath", component
+                assert sc["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]} and sc["allowPrivilegeEscalation"] is False
+                assert c["command"] == ["chown", "10001:10001", "/var/cache/cosine"] and sc["readOnlyRootFilesystem"] is True
+                continue
             assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False, component
             assert sc["capabilities"]["drop"] == ["ALL"] and sc["runAsNonRoot"] is True
 

@@ -1,4 +1,5 @@
-"""What the local cluster drafts with by default: prompt lookup plus the domain drafters the zoo has built."""
+"""What the local cluster drafts with by default: suffix decoding plus the domain drafters the zoo has built
+(prompt lookup runs too, by name only)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def _card(root, name, kind, domain):
 def test_before_a_build_the_untrained_drafter_stands_in(tmp_path, monkeypatch):
     monkeypatch.setenv("COSINE_CACHE", str(tmp_path))
     _card(tmp_path, "smollm2-2layer", "lm", "general")
-    assert [(d.name, d.kind) for d in zoo_drafters()] == [("ngram", "ngram"), ("lm-2layer", "lm")]
+    assert [(d.name, d.kind) for d in zoo_drafters()] == [("suffix", "suffix"), ("lm-2layer", "lm"), ("ngram", "ngram")]
 
 
 def test_built_domain_drafters_are_the_default(tmp_path, monkeypatch):
@@ -25,6 +26,8 @@ def test_built_domain_drafters_are_the_default(tmp_path, monkeypatch):
     _card(tmp_path, "lm-code", "lm", "code")
     _card(tmp_path, "lm-chat", "lm", "chat")
     drafters = zoo_drafters()
-    assert [(d.name, d.domain) for d in drafters] == [("ngram", "general"), ("lm-chat", "chat"), ("lm-code", "code")]
+    assert [(d.name, d.domain) for d in drafters] == [("suffix", "general"), ("lm-chat", "chat"), ("lm-code", "code"),
+                                                      ("ngram", "general")]
     assert all(d.model == d.name for d in drafters if d.kind == "lm")
-    assert ClusterSpec().default_drafters is None  # the router's candidates: every drafter the cluster runs
+    assert ClusterSpec().default_drafters is None  # the router's candidates: the drafters marked default
+    assert [d.name for d in drafters if d.default] == ["suffix", "lm-chat", "lm-code"]  # not prompt lookup

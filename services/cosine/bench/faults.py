@@ -1,0 +1,176 @@
+"""cosine bench faults: fault scenarios against a local cluster this command starts, as a table.
+
+Scenarios (real processes, real signals):
+  fault-free                 the reference: each prompt once, greedy, nothing broken
+  overload                   --concurrency streams at once (more than the router admits): each must end
+                             OK (identical) or RESOURCE_EXHAUSTED within 100 ms
+  drafters SIGKILLed         every drafter process SIGKILLed --kill-after-s into the streams
+  every drafter dead         new requests after that (plain decoding needs no drafter)
+
+Per scenario: requests, completed, identical to the fault-free output, errors by status, the
+slowest refusal, and the added latency (median latency minus the fault-free median; with every
+drafter gone the requests decode plainly, which can be faster than speculation, so it can be
+negative). Exit status 1 when a stream was not identical, ended with a status other than
+RESOURCE_EXHAUSTED, or was refused after more than 100 ms.
+Verifier, scheduler and Redis failover are not scenarios yet: those paths do not exist yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import grpc
+
+from cosine.bench.prompts import PROMPTS, Prompt
+from cosine.router.v1 import router_pb2, router_pb2_grpc
+
+
+@dataclass
+class Outcome:
+    prompt: int
+    code: str = "OK"
+    token_ids: list[int] = field(default_factory=list)
+    seconds: float = 0.0  # to the end of the stream, or to the error
+    ended: float = 0.0  # time.monotonic() at the end
+
+
+@dataclass
+class Row:
+    scenario: str
+    requests: int
+    completed: int
+    identical: int
+    errors: dict[str, int]
+    slowest_refusal_ms: float | None
+    added_latency_s: float | None
+    refusal_p50_ms: float | None = None
+    refusal_p99_ms: float | None = None
+
+
+async def one(stub, prompt: Prompt, index: int, max_new: int, timeout: float, on_first=None) -> Outcome:
+    out = Outcome(index)
+    started = time.perf_counter()
+    try:
+        async for reply in stub.Generate(router_pb2.GenerateRequest(**prompt.request_fields(max_new)), timeout=timeout):
+            if reply.WhichOneof("kind") == "chunk":
+                if not out.token_ids and on_first is not None:
+                    on_first()
+                out.token_ids += reply.chunk.token_ids
+    except grpc.aio.AioRpcError as exc:
+        out.code = exc.code().name
+    out.seconds = time.perf_counter() - started
+    out.ended = time.monotonic()
+    return out
+
+
+def run_many(address: str, prompts: list[Prompt], indices: list[int], max_new: int, timeout: float, on_first=None) -> list[Outcome]:
+    """Every stream at once from one event loop (a thread per stream would time the client's threads)."""
+    async def go():
+        async with grpc.aio.insecure_channel(address) as channel:
+            await asyncio.wait_for(channel.channel_ready(), 30)
+            stub = router_pb2_grpc.RouterStub(channel)
+            return await asyncio.gather(*(one(stub, prompts[i], i, max_new, timeout, on_first) for i in indices))
+    return asyncio.run(go())
+
+
+def row(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], base_median: float | None) -> Row:
+    ok = [o for o in outcomes if o.code == "OK"]
+    errors: dict[str, int] = {}
+    for o in outcomes:
+        if o.code != "OK":
+            errors[o.code] = errors.get(o.code, 0) + 1
+    refused = [o.seconds for o in outcomes if o.code == "RESOURCE_EXHAUSTED"]
+    added = statistics.median(o.seconds for o in ok) - base_median if ok and base_median is not None else None
+    refused.sort()
+    def pct(q):
+        return refused[min(len(refused) - 1, int(q * len(refused)))] * 1000 if refused else None
+    return Row(name, len(outcomes), len(ok), sum(o.token_ids == reference.get(o.prompt) for o in ok), errors,
+               max(refused) * 1000 if refused else None, added, pct(0.5), pct(0.99))
+
+
+def table(rows: list[Row]) -> str:
+    lines = [f"{'scenario':24} {'requests':>8} {'completed':>9} {'identical':>9} {'refusal p50/p99/max':>20} {'added latency':>13}  errors"]
+    for r in rows:
+        refusal = (f"{r.refusal_p50_ms:.0f}/{r.refusal_p99_ms:.0f}/{r.slowest_refusal_ms:.0f} ms"
+                   if r.slowest_refusal_ms is not None else "-")
+        added = f"{r.added_latency_s:+.2f} s" if r.added_latency_s is not None else "-"
+        errors = ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "none"
+        lines.append(f"{r.scenario:24} {r.requests:>8} {r.completed:>9} {r.identical:>9} {refusal:>20} {added:>13}  {errors}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="cosine bench faults", description=__doc__.split("\n")[0])
+    ap.add_argument("--target", default="", help="target model directory or zoo name (default: the zoo's target)")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per scenario (from the benchmark prompt set)")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--concurrency", type=int, default=48, help="streams at once in the overload scenario")
+    ap.add_argument("--kill-after-s", type=float, default=1.0, help="when the drafters are SIGKILLed, after the first token")
+    ap.add_argument("--timeout-s", type=float, default=600)
+    ap.add_argument("--json", default="", help="also write the rows here")
+    args = ap.parse_args(argv)
+
+    from cosine.cluster import Cluster, ClusterSpec, free_port
+
+    os.environ["COSINE_RUN_DIR"] = tempfile.mkdtemp(prefix="cosine-bench-faults-")  # never touch a cluster `cosine up` left
+    cluster = Cluster(ClusterSpec(router_port=free_port(), target=args.target, log_level="WARNING"))
+    print(f"starting a local cluster (logs in {os.environ['COSINE_RUN_DIR']})...", flush=True)
+    cluster.start()
+    prompts = PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))]
+    n, address, rows = len(prompts), cluster.router_address, []
+    try:
+        run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s)  # warm-up, not counted
+        base = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s)
+        reference = {o.prompt: o.token_ids for o in base if o.code == "OK"}
+        base_median = statistics.median(o.seconds for o in base if o.code == "OK") if reference else None
+        rows.append(row("fault-free", base, reference, base_median))
+        print(table(rows[-1:]), flush=True)
+
+        overload = run_many(address, prompts, [i % n for i in range(args.concurrency)], args.max_new_tokens, args.timeout_s)
+        rows.append(row(f"overload ({args.concurrency} at once)", overload, reference, base_median))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+
+        drafters = [p for p in cluster.processes if p.name.startswith("drafter-")]
+        killed_at: list[float] = []
+
+        def kill_later():
+            if not killed_at:
+                killed_at.append(time.monotonic())
+                def kill():
+                    time.sleep(args.kill_after_s)
+                    for p in drafters:
+                        os.kill(p.pid, signal.SIGKILL)
+                import threading
+                threading.Thread(target=kill, daemon=True).start()
+
+        killed = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s, on_first=kill_later)
+        rows.append(row("drafters SIGKILLed", killed, reference, base_median))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+        hit = sum(o.ended > killed_at[0] + args.kill_after_s for o in killed) if killed_at else 0
+        print(f"  streams still running when the drafters were killed: {hit}/{len(killed)}", flush=True)
+
+        dead = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s)
+        rows.append(row("every drafter dead", dead, reference, base_median))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    finally:
+        cluster.stop()
+    print()
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    bad = [r for r in rows if r.identical != r.completed or set(r.errors) - {"RESOURCE_EXHAUSTED"}
+           or (r.slowest_refusal_ms or 0) > 100]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

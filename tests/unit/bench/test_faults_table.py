@@ -1,0 +1,19 @@
+"""cosine bench faults: the rows it prints from the outcomes of a scenario."""
+
+from __future__ import annotations
+
+from cosine.bench.faults import Outcome, row, table
+
+
+def test_a_row_counts_completed_identical_refusals_and_added_latency():
+    reference = {0: [1, 2, 3], 1: [4, 5]}
+    outcomes = [Outcome(0, "OK", [1, 2, 3], 2.0), Outcome(1, "OK", [4, 9], 4.0),
+                Outcome(0, "RESOURCE_EXHAUSTED", [], 0.03), Outcome(1, "RESOURCE_EXHAUSTED", [], 0.07),
+                Outcome(1, "UNAVAILABLE", [4], 1.0)]
+    r = row("overload", outcomes, reference, base_median=1.5)
+    assert (r.requests, r.completed, r.identical) == (5, 2, 1)
+    assert r.errors == {"RESOURCE_EXHAUSTED": 2, "UNAVAILABLE": 1}
+    assert abs(r.slowest_refusal_ms - 70) < 1e-9
+    assert abs(r.added_latency_s - 1.5) < 1e-9  # median of 2.0 and 4.0, minus 1.5
+    text = table([r])
+    assert "overload" in text and "/70 ms" in text and "UNAVAILABLE 1" in text
