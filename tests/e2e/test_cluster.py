@@ -81,6 +81,14 @@ def in_flight(body: str) -> float:
     return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith("cosine_rpc_in_flight{"))
 
 
+def held(name: str, body: str) -> float:
+    """What a process still holds for requests: its calls in flight; for the verifier, which the scheduler's one
+    long-lived VerifySteps stream reaches, the requests holding a KV cache."""
+    if name == "verifier":
+        return sum(float(line.split()[-1]) for line in body.splitlines() if line.startswith("cosine_verifier_kv_slots_used"))
+    return in_flight(body)
+
+
 async def test_cancel_mid_stream_stops_everything(cluster):
     async with grpc.aio.insecure_channel(cluster["address"]) as channel:
         call = router_pb2_grpc.RouterStub(channel).Generate(router_pb2.GenerateRequest(
@@ -97,7 +105,7 @@ async def test_cancel_mid_stream_stops_everything(cluster):
     processes = {p["name"]: p for p in cluster["state"]["processes"]}
     deadline = asyncio.get_running_loop().time() + 15
     while True:
-        busy = {name: in_flight(await asyncio.to_thread(scrape, p["metrics_port"]))
+        busy = {name: held(name, await asyncio.to_thread(scrape, p["metrics_port"]))
                 for name, p in processes.items() if p["metrics_port"]}
         if not any(busy.values()) or asyncio.get_running_loop().time() > deadline:
             break

@@ -67,9 +67,12 @@ async def test_every_service_exports_the_named_metrics_and_they_move(services):
     exists("router", "cosine_router_requests_in_flight")
     # every service: RPC latency and in-flight calls
     for service, method in (("router", "Generate"), ("scheduler", "Submit"), ("fusion", "Speculate"),
-                            ("drafter-ngram", "Draft"), ("drafter-tiny", "Draft"), ("verifier", "Verify")):
+                            ("drafter-ngram", "Draft"), ("drafter-tiny", "Draft")):
         moved(service, "cosine_rpc_duration_seconds_count", 2, service=service, method=method)
         exists(service, "cosine_rpc_in_flight", service=service)
+    # the verifier: the scheduler's one long-lived VerifySteps stream is in flight, its steps are batches
+    assert value(after["verifier"], "cosine_rpc_in_flight", service="verifier") >= 1
+    moved("verifier", "cosine_verifier_batch_size_count", 2)
     # speculation: rounds, accepted length, acceptance by drafter, queue depth
     moved("scheduler", "cosine_scheduler_rounds_total", 3)
     moved("scheduler", "cosine_scheduler_accepted_length_count", 3)

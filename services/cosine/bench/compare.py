@@ -95,6 +95,23 @@ def round_breakdown(before: dict, after: dict) -> dict | None:
             "overhead_ms": ((d["draft_sum"] - d["draft_compute_sum"]) + (d["verify_sum"] - d["verify_compute_sum"])) / rounds * 1000}
 
 
+def step_breakdown(before: dict, after: dict, wall_s: float) -> dict | None:
+    """Where a verification step's time goes between two snapshots (ms per step): the step as the scheduler saw it
+    (send to answer), of which the verifier's model thread (its busy time per batch, prefills of new requests
+    included) and the rest (gRPC, event loops, the verifier's queue); and the time between steps (the scheduler's
+    commit, streaming and choice, and waiting for drafts). Steps: the verifier's batches; its mean batch size too."""
+    batches = after["batch_count"] - before["batch_count"]
+    steps = after["step_count"] - before["step_count"]
+    if batches <= 0 or steps <= 0:
+        return None
+    step_ms = (after["step_sum"] - before["step_sum"]) / steps * 1000
+    model_ms = (after["verifier"] - before["verifier"]) / batches * 1000
+    return {"steps": int(steps), "verifier_batches": int(batches),
+            "mean_batch": (after["batch_sum"] - before["batch_sum"]) / batches,
+            "wall_per_step_ms": wall_s / steps * 1000, "step_ms": step_ms, "verifier_model_ms": model_ms,
+            "grpc_queue_ms": step_ms - model_ms, "between_steps_ms": wall_s / steps * 1000 - step_ms}
+
+
 def cluster_speculation(best_lm: str, depth: int) -> dict[str, dict]:
     """SpeculationParams (as dicts for the GenerateRequest) of each cluster system."""
     from cosine.common.v1 import common_pb2 as c
@@ -336,10 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_port = procs["scheduler"].metrics_port
 
         def snapshot():
-            v = client.metric_sum(client.scrape(verifier_port), "cosine_worker_busy_seconds_total")
+            vs = client.scrape(verifier_port)
+            v = client.metric_sum(vs, "cosine_worker_busy_seconds_total")
             d = sum(client.metric_sum(client.scrape(port), "cosine_worker_busy_seconds_total") for port in drafter_ports)
             s = client.scrape(scheduler_port)
             return {"verifier": v, "drafters": d,
+                    "batch_sum": vs.get("cosine_verifier_batch_size_sum", 0.0),
+                    "batch_count": vs.get("cosine_verifier_batch_size_count", 0.0),
+                    "step_sum": s.get("cosine_scheduler_step_seconds_sum", 0.0),
+                    "step_count": s.get("cosine_scheduler_step_seconds_count", 0.0),
                     "ahead_used": s.get('cosine_scheduler_draft_ahead_total{outcome="used"}', 0.0),
                     "ahead_discarded": s.get('cosine_scheduler_draft_ahead_total{outcome="discarded"}', 0.0),
                     **{k: s.get(m, 0.0) for k, m in ROUND_METRICS.items()}}
@@ -371,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["draft_ahead_used"] = int(after["ahead_used"] - before["ahead_used"])
                 row["draft_ahead_discarded"] = int(after["ahead_discarded"] - before["ahead_discarded"])
                 row["round_ms"] = round_breakdown(before, after)
+                row["step_ms"] = step_breakdown(before, after, wall)
+                row["verifier_mean_batch"] = row["step_ms"]["mean_batch"] if row["step_ms"] else None
                 row["speculation"] = {k: v for k, v in speculation[name].items()}
                 row["per_request"] = _per_request(records)
                 errors = [r.error for r in records if r.error]
@@ -500,8 +524,9 @@ def pipeline_notes(rows: list[dict]) -> list[str]:
                        f"{row.get('draft_ahead_used', 0)} rounds drafted ahead and used, "
                        f"{row.get('draft_ahead_discarded', 0)} discarded")
     if out:
-        out.append("pipelining (drafting the next round during verification) only runs while the scheduler has one "
-                   "request in flight: at concurrency > 1 no-pipeline is the full system")
+        out.append("the pipelining switch (drafting a request's next round ahead during its verification) only acts while "
+                   "the scheduler has one request in flight: at concurrency > 1 no-pipeline is the full system (the step "
+                   "loop's overlap of one group's drafting with another group's verification runs in every system)")
     return out
 
 
@@ -563,6 +588,17 @@ def format_table(doc: dict) -> str:
             b = r["round_ms"]
             lines.append(f"{r['name']:17} {b['rounds']:6d} {b['draft_ms']:7.1f} {b['verify_ms']:7.1f} {b['commit_ms']:7.1f} "
                          f"{b['overhead_ms']:10.1f}")
+    steps = [r for r in doc["systems"] if r.get("step_ms")]
+    if steps:
+        lines += ["", "where a verification step's time goes (ms per step; step: send to answer at the scheduler, of which "
+                  "the verifier's model thread and gRPC/queueing; between: commit, streaming, choice, waiting for drafts):",
+                  f"{'system':17} {'load':>9} {'steps':>6} {'batch':>6} {'wall':>7} {'step':>7} {'model':>7} "
+                  f"{'gRPC+q':>7} {'between':>7}"]
+        for r in steps:
+            b = r["step_ms"]
+            lines.append(f"{r['name']:17} {_point_label((r['mode'], r['concurrency'], r['rate'])):>9} {b['steps']:6d} "
+                         f"{b['mean_batch']:6.2f} {b['wall_per_step_ms']:7.1f} {b['step_ms']:7.1f} "
+                         f"{b['verifier_model_ms']:7.1f} {b['grpc_queue_ms']:7.1f} {b['between_steps_ms']:7.1f}")
     if doc.get("accepted_len_by_drafter"):
         lines += ["", "accepted length (tokens per round) per domain, each drafter alone at fixed depth:"]
         ds = sorted({d for per in doc["accepted_len_by_drafter"].values() for d in per})

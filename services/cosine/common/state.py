@@ -131,6 +131,17 @@ def _store_errors(method):
     return wrapper
 
 
+def _store_error_of(exc: BaseException) -> BaseException:
+    """One reply's error in a pipeline (read with raise_on_error=False) as `_store_errors` maps it."""
+    if isinstance(exc, redis_errors.ResponseError):
+        text = str(exc)
+        if isinstance(exc, redis_errors.OutOfMemoryError) or text.startswith("OOM") or "OOM command not allowed" in text:
+            return StoreFull()
+        if isinstance(exc, redis_errors.ReadOnlyError) or text.startswith(("READONLY", "MASTERDOWN", "LOADING", "BUSY")):
+            return StoreUnavailable("not accepting writes now")
+    return exc
+
+
 def connect(url: str, timeout_s: float = 2.0) -> aioredis.Redis:
     """A Redis client whose every call fails within about twice ``timeout_s`` (one quick retry for a blip)."""
     return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -191,6 +202,30 @@ class RequestStore:
         if result != 1:
             raise StaleCommit(request_id, step, missing=result == -1)
         return step + 1
+
+    @_store_errors
+    async def commit_many(self, rounds: list[tuple[str, int, list[int], int, int, dict | None]]) -> list[BaseException | None]:
+        """Commit many requests' rounds, each `(request_id, step, token_ids, drafted, accepted, policy)`, in one
+        pipeline (one round trip); each fenced like `commit`. One result per round: None, or the StaleCommit (or
+        error) that round met."""
+        if not rounds:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request_id, step, token_ids, drafted, accepted, policy in rounds:
+                args = [step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids]
+                if policy is not None:
+                    args.append(json.dumps(policy, separators=(",", ":")))
+                await self._commit(keys=[req_key(request_id), tokens_key(request_id)], args=args, client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        out: list[BaseException | None] = []
+        for (request_id, step, *_), reply in zip(rounds, replies):
+            if isinstance(reply, BaseException):
+                out.append(_store_error_of(reply))
+            elif reply != 1:
+                out.append(StaleCommit(request_id, step, missing=reply == -1))
+            else:
+                out.append(None)
+        return out
 
     @_store_errors
     async def finish(self, request_id: str, status: str, finish_reason: str = "") -> None:

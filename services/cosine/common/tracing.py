@@ -89,6 +89,26 @@ class Tracing:
         ctx = _PROPAGATOR.extract(parent) if parent else None
         return self.tracer.start_as_current_span(name, context=ctx, attributes=attributes)
 
+    def start(self, name: str, attributes: Mapping[str, Any] | None = None,
+              parent: trace.Span | Mapping[str, str] | None = None) -> trace.Span:
+        """An INTERNAL span that is *not* made current (end it with ``span.end()``): for work that spans
+        several tasks, such as a request's round in the scheduler's step loop. `parent`: a span, or a
+        carrier filled by `inject()`/`carrier()`; None: the current span."""
+        if not self.enabled:
+            return trace.INVALID_SPAN
+        if isinstance(parent, trace.Span):
+            ctx = trace.set_span_in_context(parent)
+        else:
+            ctx = _PROPAGATOR.extract(parent) if parent else None
+        return self.tracer.start_span(name, context=ctx, attributes=attributes)
+
+    def carrier(self, span: trace.Span | None = None, into: MutableMapping[str, str] | None = None) -> MutableMapping[str, str]:
+        """The trace context of `span` (None: the current span) written into `into` (a message's map) or a new dict."""
+        into = {} if into is None else into
+        if self.enabled:
+            _PROPAGATOR.inject(into, context=trace.set_span_in_context(span) if span is not None else None)
+        return into
+
     def inject(self, carrier: MutableMapping[str, str]) -> None:
         """Write the current span's context into carrier (a protobuf map field works)."""
         if self.enabled:

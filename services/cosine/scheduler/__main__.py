@@ -44,6 +44,8 @@ class SchedulerSettings(ServiceSettings):
     routing_max_k: int = Field(3, ge=1, description="most drafters per request when the verifier idles")
     routing_threshold: float = Field(1.0, ge=0, description="recent accepted length below which routing tries another drafter")
     verifier_queue_high: int = Field(4, ge=1, description="requests waiting on the verifier at which speculation shrinks")
+    step_max_requests: int = Field(16, ge=1, description="most requests the step loop verifies in one step")
+    step_max_tokens: int = Field(256, ge=2, description="most positions the step loop verifies in one step (Σ 1 + tree nodes)")
 
     @field_validator("switches")
     @classmethod
@@ -87,6 +89,7 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
         return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
 
     async def on_stop():
+        await servicer.close()
         await verifier_channel.close()
         await fusion_channel.close()
         await client.aclose()
@@ -94,7 +97,8 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
     service = GrpcService("scheduler", settings, register, on_stop)
     config = SchedulerConfig(settings.default_depth, settings.max_depth, switches=settings.parsed_switches(),
                              routing_k=settings.routing_k, routing_max_k=max(settings.routing_k, settings.routing_max_k),
-                             routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high)
+                             routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high,
+                             step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens)
     servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     await service.start()

@@ -52,6 +52,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cosine.engine.tree import DraftTree
+
+_UNKNOWN_PROB = 0.5  # a node without a drafter probability counts as a coin flip
+
 
 @dataclass(frozen=True)
 class Measurement:
@@ -261,3 +265,26 @@ def choose_batch(pool: Sequence[ReadyRequest], model: VerifyTimeModel, limits: B
     choice.tokens, choice.memory = tokens, memory
     choice.utility = sum(value[r.request_id] for r in batch) - limits.w_time * choice.step_s
     return choice
+
+
+def expected_committed(tree: DraftTree, n: int | None = None, chain_only: bool = False) -> float:
+    """Tokens a round is expected to commit: 1 (the target's own) + expected accepted drafts.
+
+    With the drafters' probabilities read as the chance that the target agrees
+    with each node given its parent, a node is accepted with the product of the
+    probabilities on its path; siblings exclude each other, so the expected
+    accepted length is the sum of that over the (first n) nodes. ``chain_only``:
+    the main chain alone (engines that verify only the chain).
+    """
+    n = len(tree) if n is None else min(n, len(tree))
+    keep = set(tree.main_chain()) if chain_only else None
+    path_prob: list[float] = []
+    total = 0.0
+    for i in range(n):
+        p = tree.probs[i] if i < len(tree.probs) else _UNKNOWN_PROB
+        p = min(1.0, max(0.0, float(p)))
+        parent = tree.parents[i]
+        path_prob.append(p * (path_prob[parent] if parent >= 0 else 1.0))
+        if keep is None or i in keep:
+            total += path_prob[i]
+    return 1.0 + total

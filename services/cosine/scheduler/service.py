@@ -1,4 +1,10 @@
-"""gRPC adapter of the scheduler: runs each submitted request's rounds draft → verify → commit."""
+"""gRPC adapter of the scheduler: feeds each Submit stream into the step loop and implements the loop's ports.
+
+The loop (`cosine.scheduler.steploop`) runs every live request's rounds as steps; this
+module only translates: drafts over each request's Speculate stream to fusion, a step's
+verifications as one message on one long-lived VerifySteps stream to the verifier, a
+step's commits as one Redis pipeline, and each request's rounds back to its Submit stream.
+"""
 
 from __future__ import annotations
 
@@ -21,8 +27,9 @@ from cosine.router.routing import ExpertiseRouter, PromptFit
 from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter
-from cosine.scheduler.ahead import main_chain_tokens, subtree_after
+from cosine.scheduler.batching import BatchLimits
 from cosine.scheduler.speculation import RequestSpeculation, SpeculationController
+from cosine.scheduler.steploop import Draft, Emission, Request, RoundOrder, RoundRecord, StepLoop, Verdict
 from cosine.scheduler.switches import Switches
 from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -61,6 +68,10 @@ class SchedulerMetrics:
                                         ["position"], registry=registry)
         self.position_accepted = Counter("cosine_scheduler_position_accepted_total", "rounds whose draft token at position p was accepted",
                                          ["position"], registry=registry)
+        self.step_size = Histogram("cosine_scheduler_step_size", "requests verified in one step of the step loop",
+                                   buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=registry)
+        self.step_seconds = Histogram("cosine_scheduler_step_seconds", "wall time of one verification step (send to answer)",
+                                      buckets=LATENCY_BUCKETS, registry=registry)
         for position in range(16):  # exported from the start, so rates by position exist before the first accept
             self.position_drafted.labels(str(position))
             self.position_accepted.labels(str(position))
@@ -77,6 +88,8 @@ class SchedulerConfig:
     routing_threshold: float = 1.0  # recent accepted length below which routing adds a less-tried drafter
     control_interval_s: float = 0.5  # how often the global controller reads the verifier's load
     verifier_queue_high: int = 4  # requests waiting on the verifier at which speculation shrinks
+    step_max_requests: int = 16  # most requests verified in one step
+    step_max_tokens: int = 256  # most positions verified in one step (Σ 1 + tree nodes)
 
 
 FUSION_MODES = {"confidence": common_pb2.FUSION_MODE_CONFIDENCE, "merge": common_pb2.FUSION_MODE_MERGE,
@@ -122,6 +135,40 @@ class RequestPlan:
         return out or None
 
 
+@dataclass
+class LiveRequest:
+    """The adapter's side of a request in the step loop: its plan, its stream to fusion, its Submit queue, spans."""
+
+    plan: RequestPlan
+    spec_call: object  # the Speculate stream to fusion; None without speculation
+    sampling: common_pb2.SamplingParams
+    prompt: list[int]
+    queue: asyncio.Queue  # Emissions for the Submit stream
+    submit_context: dict  # the Submit span's trace context: the parent of each round's span
+    stream: int = -1  # generation of the VerifySteps stream the verifier opened it on
+    fusion_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _round: object = None
+
+    def round_span(self, tracing: Tracing):
+        """The current round's span, started on first use."""
+        if self._round is None:
+            self._round = tracing.start("scheduler.round", parent=self.submit_context)
+        return self._round
+
+    def end_round(self) -> None:
+        if self._round is not None:
+            self._round.end()
+            self._round = None
+
+
+def _entry_error(error: verifier_pb2.VerifyEntryError) -> ServiceError:
+    try:
+        code = next(c for c in grpc.StatusCode if c.value[0] == error.code)
+    except StopIteration:
+        code = grpc.StatusCode.INTERNAL
+    return ServiceError(code, error.message)
+
+
 def tree_depth(parents) -> int:
     """Longest root-to-leaf path of a draft tree (nodes are in topological order)."""
     depth: list[int] = []
@@ -158,6 +205,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._controlled_at = time.monotonic()
         metrics.depth_cap.set_function(lambda: self.controller.depth_cap)
         metrics.drafters_cap.set_function(lambda: self.controller.drafters)
+        self.loop = StepLoop(self, BatchLimits(max_tokens=max(2, config.step_max_tokens), max_requests=max(1, config.step_max_requests)),
+                             max_depth=config.max_depth, on_step=self._on_step)
+        self._steps_call = None  # the VerifySteps stream, opened with the first step
+        self._steps_generation = 0
 
     def plan(self, request: scheduler_pb2.SubmitRequest) -> RequestPlan:
         """Resolve a request's switches and drafters (see the module's notes on routing)."""
@@ -215,11 +266,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         status, reason = "failed", ""
         timeout = context.time_remaining()
         metadata = self.tracing.metadata()  # the streams' server spans are children of this Submit
-        verify_call = self.verifier.Verify(timeout=timeout, metadata=metadata)
         spec_call = self.fusion.Speculate(timeout=timeout, metadata=metadata) if plan.speculate else None
+        live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier())
         try:
-            await verify_call.write(verifier_pb2.VerifyRequest(open=verifier_pb2.VerifyOpen(
-                request_id=rid, committed_token_ids=prompt, sampling=sampling, prompt_len=len(prompt))))
             if spec_call is not None:
                 opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
                     request_id=rid, prompt_token_ids=prompt, drafters=drafters, fusion=FUSION_MODES[plan.switches.fusion],
@@ -230,15 +279,28 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     with self.tracing.span("scheduler.score_prompt", {"cosine.drafters": len(drafters)}):
                         scored = await exchange(spec_call, opening, "fusion")
                     self._prior(plan.router, scored.prompt_fits)
-            async for response in self._rounds(request, rid, prompt, plan, verify_call, spec_call):
-                if response.WhichOneof("kind") == "final":
-                    status, reason = "finished", common_pb2.FinishReason.Name(response.final.finish_reason)
-                yield response
+            entry = Request(rid, len(prompt), request.max_new_tokens, self.config.max_context,
+                            frozenset(request.stop_token_ids), payload=live)
+            self.loop.add(entry)
+            while True:  # the step loop emits this request's rounds into its queue
+                emission: Emission = await live.queue.get()
+                if emission.error is not None:
+                    raise emission.error
+                yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
+                    token_ids=emission.token_ids, drafted_tokens=emission.drafted, accepted_tokens=emission.accepted))
+                if emission.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    status, reason = "finished", common_pb2.FinishReason.Name(emission.finish_reason)
+                    stats = common_pb2.Stats(rounds=entry.rounds, drafted_tokens=entry.drafted, accepted_tokens=entry.accepted,
+                                             drafters=entry.drafters_used)
+                    yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
+                        finish_reason=emission.finish_reason, stats=stats))
+                    return
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away: cancelled, or closed while we waited at a yield
             status = "cancelled"
             raise
         finally:
-            close_quietly(verify_call)
+            self.loop.cancel(rid)
+            live.end_round()
             close_quietly(spec_call)
             self.live.discard(rid)
             try:
@@ -275,121 +337,161 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             idle, queue = self.load.read(now)
             self.controller.update_load(idle, queue)
 
-    async def _rounds(self, request, rid, prompt, plan: RequestPlan, verify_call, spec_call):
-        stop_ids = set(request.stop_token_ids)
-        max_new = request.max_new_tokens
-        generated: list[int] = []
-        new: list[int] = []
-        stats = common_pb2.Stats()
-        step = 0
-        ready: DraftTree | None = None  # a tree drafted ahead for the next round
-        ready_drafters: list[str] = []
-        while True:
-            context_used = len(prompt) + len(generated)
-            room = policy.round_depth(self.config.max_depth, len(generated), max_new, context_used, self.config.max_context)
-            d, drafters, budget = self._round_plan(plan, room) if spec_call is not None else (0, [], 0)
-            tree = common_pb2.DraftTree()
-            if ready is not None:  # drafted ahead during the previous verification, which went as assumed
-                cut_tree = subtree_after(ready, [], room) if room > 0 else None
-                if cut_tree is not None and len(cut_tree):
-                    tree = common_pb2.DraftTree(token_ids=cut_tree.tokens, parents=cut_tree.parents, probs=cut_tree.probs)
-                    d, drafters = tree_depth(cut_tree.parents), ready_drafters
-                ready = None
-            with self.tracing.span("scheduler.round", {"cosine.round": step, "cosine.depth": d}) as round_span:
-                reply = None
-                draft_ms = 0.0
-                t0 = time.perf_counter()
-                if spec_call is not None and d > 0 and not tree.token_ids:
-                    with self.tracing.span("scheduler.draft", {"cosine.depth": d, "cosine.drafters": drafters}):
-                        message = fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(
-                            committed_token_ids=new, depth=d, drafters=drafters, budget=budget))
-                        self.tracing.inject(message.round.trace_context)
-                        reply = await exchange(spec_call, message, "fusion")
-                    tree, draft_ms = reply.tree, reply.draft_ms
-                    new = []  # fusion has them now; rounds without drafting pass theirs on later
-                    for name in drafters:
-                        if name not in stats.drafters:
-                            stats.drafters.append(name)
-                t1 = time.perf_counter()
-                ahead = self._draft_ahead(plan, spec_call, tree, d, drafters, new, len(generated), max_new, context_used)
-                if ahead is not None:
-                    new = []
-                with self.tracing.span("scheduler.verify", {"cosine.tree_size": len(tree.token_ids)}):
-                    message = verifier_pb2.VerifyRequest(round=verifier_pb2.VerifyRound(tree=tree))
-                    self.tracing.inject(message.round.trace_context)
-                    self.load.enter(time.monotonic())
-                    try:
-                        verdict = await exchange(verify_call, message, "verifier")
-                    except BaseException:
-                        if ahead is not None:
-                            ahead[0].cancel()
-                        raise
-                    finally:
-                        self.load.leave(time.monotonic())
-                t2 = time.perf_counter()
-                if ahead is not None:
-                    ready = await self._ahead_outcome(plan, ahead, verdict)
-                    ready_drafters = drafters
-                cut = policy.cut_round(list(verdict.token_ids), len(generated), max_new, stop_ids, context_used, self.config.max_context)
-                accepted = min(verdict.accepted_draft, len(cut.token_ids))
-                drafted = len(tree.token_ids)
-                with self.tracing.span("scheduler.commit", {"cosine.committed_tokens": len(cut.token_ids)}):
-                    step = await self.store.commit(rid, step, cut.token_ids, drafted, accepted, plan.state())
-                t3 = time.perf_counter()
-                if round_span.is_recording():
-                    round_span.set_attributes({"cosine.drafters": len(drafters), "cosine.tree_size": drafted,
-                                               "cosine.accepted_length": accepted, "cosine.committed_tokens": len(cut.token_ids)})
-            generated += cut.token_ids
-            new += cut.token_ids
-            stats.rounds += 1
-            stats.drafted_tokens += drafted
-            stats.accepted_tokens += accepted
-            chain = tree_depth(tree.parents)
-            self._learn(plan, reply, d, len(drafters), chain, min(verdict.accepted_draft, chain), list(verdict.token_ids),
-                        draft_ms / 1000, verdict.verify_ms / 1000, drafted, t3 - t0)
-            self._observe(drafted, accepted, len(cut.token_ids), t1 - t0, t2 - t1, t3 - t2, draft_ms / 1000, verdict.verify_ms / 1000)
-            self._observe_speculation(d, drafters, chain, accepted)
-            self._control()
-            yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
-                token_ids=cut.token_ids, drafted_tokens=drafted, accepted_tokens=accepted))
-            if cut.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
-                    finish_reason=cut.finish_reason, stats=stats))
-                return
+    # -- the step loop's ports (cosine.scheduler.steploop) over fusion, the verifier and Redis ------------
 
-    def _draft_ahead(self, plan: RequestPlan, spec_call, tree, depth, drafters, new, generated, max_new, context_used):
-        """Start drafting the next round while this one is verified (pipelining with one request in flight),
-        assuming this round's main chain is accepted whole; returns (task, main chain, depth) or None."""
-        if spec_call is None or not tree.token_ids or not plan.switches.pipelining or len(self.live) != 1:
+    def plan_round(self, request: Request, room: int) -> RoundOrder:
+        live: LiveRequest = request.payload
+        live.round_span(self.tracing)
+        if live.spec_call is None:
+            return RoundOrder(0)
+        d, drafters, budget = self._round_plan(live.plan, room)
+        return RoundOrder(d, drafters, budget)
+
+    def plan_ahead(self, request: Request, order: RoundOrder, tree: DraftTree, room: int, live_count: int) -> RoundOrder | None:
+        """Draft the next round while this one is verified (pipelining with one request in flight), assuming this
+        round's main chain is accepted whole, unless it would not hide behind the verification."""
+        live: LiveRequest = request.payload
+        if live.spec_call is None or not live.plan.switches.pipelining or live_count != 1:
             return None
-        main = main_chain_tokens(tree.token_ids, tree.parents)
-        after = len(main) + 1  # the chain and the bonus token
-        room = policy.round_depth(self.config.max_depth, generated + after, max_new, context_used + after, self.config.max_context)
-        if room <= 0:
-            return None
-        ahead_depth = min(max(depth, 1), room) + 1  # the first level guesses the bonus token
-        costs = self.costs.costs((plan.switches.fusion, len(drafters)))
+        ahead_depth = min(max(order.depth, 1), room) + 1  # the first level guesses the bonus token
+        costs = self.costs.costs((live.plan.switches.fusion, len(order.drafters)))
         if costs is not None and costs.draft_overhead_s + costs.draft_step_s * ahead_depth > \
-                costs.verify_s + costs.verify_per_token_s * len(tree.token_ids):
-            return None  # it would not hide behind the verification: the request would wait for it
-        message = fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(
-            committed_token_ids=new, depth=ahead_depth, drafters=drafters, context_token_ids=main))
-        self.tracing.inject(message.round.trace_context)
-        return asyncio.create_task(exchange(spec_call, message, "fusion")), main, ahead_depth
+                costs.verify_s + costs.verify_per_token_s * len(tree):
+            return None  # the request would wait for it
+        return RoundOrder(ahead_depth, list(order.drafters))
 
-    async def _ahead_outcome(self, plan: RequestPlan, ahead, verdict) -> DraftTree | None:
-        """The part of the tree drafted ahead that fits what the verifier accepted, or None."""
-        task, main, ahead_depth = ahead
-        reply = await task  # the stream to fusion is in order: the next round waits for this reply anyway
-        self.costs.observe_draft(ahead_depth, reply.draft_ms / 1000, (plan.switches.fusion, len(reply.proposals) or 1))
-        tokens = list(verdict.token_ids)
-        sub = None
-        if verdict.accepted_draft == len(main) and len(tokens) == len(main) + 1 and tokens[:-1] == main:
-            drafted = DraftTree(list(reply.tree.token_ids), list(reply.tree.parents), list(reply.tree.probs))
-            sub = subtree_after(drafted, tokens[-1:])
-        used = sub is not None and len(sub) > 0
+    async def draft(self, request: Request, order: RoundOrder) -> Draft:
+        live: LiveRequest = request.payload
+        span = self.tracing.start("scheduler.draft", {"cosine.depth": order.depth, "cosine.drafters": order.drafters},
+                                  parent=live.round_span(self.tracing))
+        try:
+            message = fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(
+                committed_token_ids=order.committed, depth=order.depth, drafters=order.drafters, budget=order.budget,
+                context_token_ids=order.context))
+            self.tracing.carrier(span, message.round.trace_context)
+            async with live.fusion_lock:  # one stream, in order
+                reply = await exchange(live.spec_call, message, "fusion")
+        finally:
+            span.end()
+        tree = DraftTree(list(reply.tree.token_ids), list(reply.tree.parents), list(reply.tree.probs))
+        return Draft(tree, list(order.drafters), reply.draft_ms / 1000, reply)
+
+    async def verify(self, rounds, opens, releases) -> list:
+        """One step on the long-lived VerifySteps stream: releases, opens, then every round in one message."""
+        if self._steps_call is None or self._steps_call.done():  # (re)open: requests opened on an old stream are gone
+            self._steps_generation += 1
+            self._steps_call = self.verifier.VerifySteps()
+        entries = [verifier_pb2.VerifyEntry(request_id=rid, release=verifier_pb2.VerifyRelease()) for rid in releases]
+        for request in opens:
+            live: LiveRequest = request.payload
+            entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, open=verifier_pb2.VerifyOpen(
+                request_id=request.request_id, committed_token_ids=live.prompt, sampling=live.sampling,
+                prompt_len=len(live.prompt))))
+            live.stream = self._steps_generation
+        spans = []
+        for request, tree in rounds:
+            live = request.payload
+            span = self.tracing.start("scheduler.verify", {"cosine.tree_size": len(tree), "cosine.batch_size": len(rounds)},
+                                      parent=live.round_span(self.tracing))
+            spans.append(span)
+            entry = verifier_pb2.VerifyEntry(request_id=request.request_id, round=verifier_pb2.VerifyRound(
+                tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs)))
+            self.tracing.carrier(span, entry.round.trace_context)
+            entries.append(entry)
+        now = time.monotonic()
+        for _ in rounds:
+            self.load.enter(now)
+        try:
+            reply = await self._step(verifier_pb2.VerifyStep(entries=entries))
+        except Exception as exc:  # noqa: BLE001 - every round of the step fails with it
+            return [exc] * len(rounds)
+        finally:
+            now = time.monotonic()
+            for span in spans:
+                span.end()
+            for _ in rounds:
+                self.load.leave(now)
+        results = list(reply.results)
+        failed_open: dict[str, BaseException] = {}
+        for request, result in zip(opens, results[:len(opens)]):
+            if result.WhichOneof("kind") == "error":
+                failed_open[request.request_id] = _entry_error(result.error)
+        out: list = []
+        for (request, _), result in zip(rounds, results[len(opens):]):
+            if request.request_id in failed_open:
+                out.append(failed_open[request.request_id])
+            elif request.payload.stream != self._steps_generation:
+                out.append(ServiceError(grpc.StatusCode.UNAVAILABLE, "the verifier restarted while the request ran: retry it"))
+            elif result.WhichOneof("kind") == "error":
+                out.append(_entry_error(result.error))
+            else:
+                v = result.verdict
+                out.append(Verdict(list(v.token_ids), v.accepted_draft, v.verify_ms / 1000))
+        out += [ServiceError(grpc.StatusCode.INTERNAL, "the verifier answered fewer rounds than it was sent")] * (len(rounds) - len(out))
+        return out
+
+    async def _step(self, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
+        try:
+            return await exchange(self._steps_call, message, "verifier")
+        except BaseException:
+            close_quietly(self._steps_call)  # the verifier frees what the stream held; requests on it fail
+            self._steps_call = None
+            self._steps_generation += 1
+            raise
+
+    async def commit(self, rounds) -> list:
+        spans = [self.tracing.start("scheduler.commit", {"cosine.committed_tokens": len(tokens)},
+                                    parent=request.payload.round_span(self.tracing)) for request, tokens, _, _ in rounds]
+        try:
+            return await self.store.commit_many([(request.request_id, request.step, tokens, drafted, accepted,
+                                                  request.payload.plan.state()) for request, tokens, drafted, accepted in rounds])
+        except Exception as exc:  # noqa: BLE001 - Redis is gone: every round of the step fails with it
+            return [exc] * len(rounds)
+        finally:
+            for span in spans:
+                span.end()
+
+    def emit(self, request: Request, emission: Emission) -> None:
+        request.payload.queue.put_nowait(emission)
+
+    def learn(self, request: Request, record: RoundRecord) -> None:
+        live: LiveRequest = request.payload
+        plan, verdict, draft = live.plan, record.verdict, record.draft
+        reply = draft.payload if draft is not None else None
+        tree = record.tree
+        drafted, committed = len(tree), len(record.committed)
+        accepted = min(verdict.accepted_draft, committed)
+        chain = tree_depth(tree.parents)
+        depth = record.order.depth if record.order is not None else 0
+        drafters = draft.drafters if draft is not None else []
+        draft_compute = draft.compute_s if draft is not None else 0.0
+        span = live.round_span(self.tracing)
+        if span.is_recording():
+            span.set_attributes({"cosine.round": request.rounds - 1, "cosine.depth": depth, "cosine.drafters": len(drafters),
+                                 "cosine.tree_size": drafted, "cosine.accepted_length": accepted,
+                                 "cosine.committed_tokens": committed, "cosine.batch_size": record.batch_size})
+        live.end_round()
+        self._learn(plan, reply, depth if reply is not None else 0, len(drafters), chain, min(verdict.accepted_draft, chain),
+                    list(verdict.token_ids), draft_compute, verdict.compute_s, drafted, record.round_s)
+        self._observe(drafted, accepted, committed, record.draft_s, record.verify_s, record.commit_s, draft_compute,
+                      verdict.compute_s)
+        self._observe_speculation(depth if drafted else 0, drafters, chain, accepted)
+        self._control()
+
+    def observe_ahead(self, request: Request, draft: Draft | None, order: RoundOrder, used: bool) -> None:
+        live: LiveRequest = request.payload
+        if draft is not None and draft.payload is not None:
+            self.costs.observe_draft(order.depth, draft.compute_s,
+                                     (live.plan.switches.fusion, len(draft.payload.proposals) or 1))
         self.metrics.ahead.labels("used" if used else "discarded").inc()
-        return sub if used else None
+
+    def _on_step(self, size: int, seconds: float) -> None:
+        self.metrics.step_size.observe(size)
+        self.metrics.step_seconds.observe(seconds)
+
+    async def close(self) -> None:
+        await self.loop.close()
+        close_quietly(self._steps_call)
 
     def _learn(self, plan: RequestPlan, reply, depth, n_drafters, chain, accepted, target_tokens, draft_s, verify_s, nodes,
                round_s) -> None:

@@ -34,11 +34,10 @@ from typing import Literal
 from cosine.common.streams import ModelWorker
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
-from cosine.scheduler.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch
+from cosine.scheduler.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed
 from cosine.scheduler.speculation import shorten_longest_first
 
 BatchPolicy = Literal["fifo", "objective"]
-_UNKNOWN_PROB = 0.5  # a node without a drafter probability counts as a coin flip
 
 
 class Released(RuntimeError):
@@ -74,29 +73,6 @@ def cut_tree(tree: DraftTree, n: int) -> DraftTree:
     return DraftTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n])
 
 
-def expected_committed(tree: DraftTree, n: int | None = None, chain_only: bool = False) -> float:
-    """Tokens a round is expected to commit: 1 (the target's own) + expected accepted drafts.
-
-    With the drafters' probabilities read as the chance that the target agrees
-    with each node given its parent, a node is accepted with the product of the
-    probabilities on its path; siblings exclude each other, so the expected
-    accepted length is the sum of that over the (first n) nodes. ``chain_only``:
-    the main chain alone (engines that verify only the chain).
-    """
-    n = len(tree) if n is None else min(n, len(tree))
-    keep = set(tree.main_chain()) if chain_only else None
-    path_prob: list[float] = []
-    total = 0.0
-    for i in range(n):
-        p = tree.probs[i] if i < len(tree.probs) else _UNKNOWN_PROB
-        p = min(1.0, max(0.0, float(p)))
-        parent = tree.parents[i]
-        path_prob.append(p * (path_prob[parent] if parent >= 0 else 1.0))
-        if keep is None or i in keep:
-            total += path_prob[i]
-    return 1.0 + total
-
-
 class VerifyBatcher:
     def __init__(self, engine, worker: ModelWorker, max_batch: int = 16,
                  on_batch: Callable[[BatchStep], None] | None = None, policy: BatchPolicy = "fifo",
@@ -120,12 +96,17 @@ class VerifyBatcher:
 
     async def verify(self, request_id: str, tree: DraftTree, sampling: Sampling):
         """(the round's outcome: accepted tokens + the target's next, the size of the batch it was verified in)."""
+        return await self.submit(request_id, tree, sampling)
+
+    def submit(self, request_id: str, tree: DraftTree, sampling: Sampling) -> asyncio.Future:
+        """Queue a round without waiting: rounds submitted before the caller next awaits are chosen from
+        together (a scheduler's step arrives as one message). The future resolves like `verify`."""
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         future = asyncio.get_running_loop().create_future()
         self._queue.append(_Pending(request_id, tree, sampling, future, self.clock()))
         self._wakeup.set()
-        return await future
+        return future
 
     # -- the choice (event-loop thread; no model calls) ----------------------------------
 

@@ -1,19 +1,21 @@
-"""gRPC adapter of the verifier: one Verify stream per request over the target engine."""
+"""gRPC adapter of the verifier over the target engine: a scheduler's VerifySteps stream (one message per step, many
+requests), or one Verify stream per request."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
 import grpc
 
-from cosine.common.errors import ServiceError, invalid
+from cosine.common.errors import ServiceError, invalid, status_of
 from cosine.common.streams import ModelWorker
 from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
-from cosine.verifier.batcher import VerifyBatcher
+from cosine.verifier.batcher import Released, VerifyBatcher
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -52,6 +54,114 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_context=self.engine.max_context,
         )
 
+    def _check_open(self, message: verifier_pb2.VerifyOpen) -> tuple[list[int], Sampling]:
+        committed = list(message.committed_token_ids)
+        if not committed:
+            raise invalid("Verify open needs the committed token ids")
+        if len(committed) >= self.engine.max_context:
+            raise invalid(f"{len(committed)} tokens exceed the target's context of {self.engine.max_context}")
+        if any(t >= self.engine.vocab_size for t in committed):
+            raise invalid(f"token ids must be below the vocabulary size {self.engine.vocab_size}")
+        sampling = sampling_from_proto(message.sampling)
+        try:
+            sampling.check()
+        except ValueError as exc:
+            raise invalid(str(exc)) from exc
+        return committed, sampling
+
+    def _take_slot(self) -> None:
+        if self.slots_taken >= self.max_slots:
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the verifier holds {self.max_slots} requests already; retry later")
+        self.slots_taken += 1
+
+    def _tree(self, message: verifier_pb2.VerifyRound) -> DraftTree:
+        tree = DraftTree(list(message.tree.token_ids), list(message.tree.parents), list(message.tree.probs))
+        try:
+            tree.validate(self.engine.vocab_size)
+        except ValueError as exc:
+            raise invalid(str(exc)) from exc
+        return tree
+
+    async def VerifySteps(self, request_iterator, context: grpc.aio.ServicerContext):
+        """A scheduler's steps: per message, opens, releases, then every round queued at once (so the
+        batcher chooses from all of them together); one answer per message. Entry errors stay entry errors."""
+        held: dict[str, Sampling] = {}  # requests opened on this stream
+        try:
+            async for step in request_iterator:
+                results: list[verifier_pb2.VerifyEntryResult | None] = []
+                rounds = []  # (result index, request id, tree, future, trace context)
+                for entry in step.entries:
+                    rid, kind = entry.request_id, entry.WhichOneof("kind")
+                    if kind == "release":
+                        if held.pop(rid, None) is not None:
+                            self.worker.submit(self.engine.release, rid)
+                            self.slots_taken -= 1
+                            self.open_ids.discard(rid)
+                        continue
+                    try:
+                        if not rid:
+                            raise invalid("a VerifySteps entry needs a request_id")
+                        if kind == "open":
+                            committed, sampling = self._check_open(entry.open)
+                            if rid in self.open_ids:  # never take over another stream's cache
+                                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already open on the verifier")
+                            self._take_slot()
+                            held[rid] = sampling
+                            self.open_ids.add(rid)
+                            try:
+                                await self.worker.run(self.engine.open, rid, committed, entry.open.prompt_len)
+                            except BaseException:
+                                held.pop(rid, None)
+                                self.open_ids.discard(rid)
+                                self.slots_taken -= 1
+                                raise
+                            results.append(verifier_pb2.VerifyEntryResult(request_id=rid, opened=verifier_pb2.VerifyOpened()))
+                        elif kind == "round":
+                            if rid not in held:
+                                raise invalid(f"round for request {rid}, which is not open on this stream")
+                            tree = self._tree(entry.round)
+                            rounds.append((len(results), rid, tree, self.batcher.submit(rid, tree, held[rid]),
+                                           entry.round.trace_context))
+                            results.append(None)
+                        else:
+                            raise invalid("a VerifySteps entry has neither open, round nor release")
+                    except ServiceError as exc:
+                        results.append(self._entry_error(rid, exc.code, exc.message))
+                    except Exception as exc:  # noqa: BLE001 - this entry fails, the stream goes on
+                        results.append(self._entry_error(rid, *status_of(exc)))
+                started = time.perf_counter()
+                outcomes = await asyncio.gather(*(self._round(rid, tree, future, ctx) for _, rid, tree, future, ctx in rounds),
+                                                return_exceptions=True)
+                for (index, rid, *_), outcome in zip(rounds, outcomes):
+                    if isinstance(outcome, BaseException):
+                        code, message = ((grpc.StatusCode.FAILED_PRECONDITION, str(outcome)) if isinstance(outcome, Released)
+                                         else status_of(outcome))
+                        results[index] = self._entry_error(rid, code, message)
+                    else:
+                        outcome.verdict.verify_ms = (time.perf_counter() - started) * 1000
+                        results[index] = outcome
+                yield verifier_pb2.VerifyStepResult(results=results)
+        finally:
+            for rid in held:
+                self.worker.submit(self.engine.release, rid)
+                self.open_ids.discard(rid)
+            self.slots_taken -= len(held)
+
+    @staticmethod
+    def _entry_error(rid: str, code: grpc.StatusCode, message: str) -> verifier_pb2.VerifyEntryResult:
+        return verifier_pb2.VerifyEntryResult(request_id=rid, error=verifier_pb2.VerifyEntryError(
+            code=code.value[0], message=message))
+
+    async def _round(self, rid: str, tree: DraftTree, future: asyncio.Future, trace_context) -> verifier_pb2.VerifyEntryResult:
+        with self.tracing.span("verifier.verify", {"cosine.tree_size": len(tree.tokens)}, parent=trace_context) as span:
+            span.set_attribute("cosine.queue_depth", self.worker.pending)
+            outcome, batch_size = await future
+            span.set_attribute("cosine.batch_size", batch_size)
+            span.set_attribute("cosine.accepted_length", outcome.accepted_draft)
+        return verifier_pb2.VerifyEntryResult(request_id=rid, verdict=verifier_pb2.VerifyResponse(
+            token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft))
+
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         request_id = None
         holds_slot = False
@@ -62,24 +172,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 if kind == "open":
                     if request_id is not None:
                         raise invalid("Verify stream opened twice")
-                    committed = list(message.open.committed_token_ids)
-                    if not committed:
-                        raise invalid("Verify open needs the committed token ids")
-                    if len(committed) >= self.engine.max_context:
-                        raise invalid(f"{len(committed)} tokens exceed the target's context of {self.engine.max_context}")
-                    if any(t >= self.engine.vocab_size for t in committed):
-                        raise invalid(f"token ids must be below the vocabulary size {self.engine.vocab_size}")
-                    sampling = sampling_from_proto(message.open.sampling)
-                    try:
-                        sampling.check()
-                    except ValueError as exc:
-                        raise invalid(str(exc)) from exc
+                    committed, sampling = self._check_open(message.open)
                     if message.open.request_id in self.open_ids:  # never take over another stream's cache
                         raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {message.open.request_id} is already open on the verifier")
-                    if self.slots_taken >= self.max_slots:
-                        raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                           f"the verifier holds {self.max_slots} requests already; retry later")
-                    self.slots_taken += 1  # taken before the await: the check and the taking are one step
+                    self._take_slot()  # taken before the await: the check and the taking are one step
                     holds_slot = True
                     request_id = message.open.request_id
                     self.open_ids.add(request_id)
@@ -87,11 +183,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 elif kind == "round":
                     if request_id is None:
                         raise invalid("Verify round before open")
-                    tree = DraftTree(list(message.round.tree.token_ids), list(message.round.tree.parents), list(message.round.tree.probs))
-                    try:
-                        tree.validate(self.engine.vocab_size)
-                    except ValueError as exc:
-                        raise invalid(str(exc)) from exc
+                    tree = self._tree(message.round)
                     started = time.perf_counter()
                     # rounds of concurrent requests share forward passes (see batcher.py); queue_depth: model calls ahead
                     with self.tracing.span("verifier.verify", {"cosine.tree_size": len(tree.tokens)},

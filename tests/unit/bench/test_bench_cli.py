@@ -106,3 +106,13 @@ def test_round_breakdown_between_scrapes():
     assert b["draft_ms"] == pytest.approx(100.0) and b["verify_ms"] == pytest.approx(100.0)
     assert b["commit_ms"] == pytest.approx(1.0) and b["overhead_ms"] == pytest.approx(30.0)
     assert compare.round_breakdown(before, before) is None
+
+
+def test_step_breakdown_between_scrapes():
+    before = {"batch_sum": 0.0, "batch_count": 0.0, "step_sum": 0.0, "step_count": 0.0, "verifier": 0.0}
+    after = {"batch_sum": 40.0, "batch_count": 10.0, "step_sum": 0.5, "step_count": 10.0, "verifier": 0.4}
+    b = compare.step_breakdown(before, after, wall_s=0.6)
+    assert b["mean_batch"] == pytest.approx(4.0) and b["steps"] == 10
+    assert b["step_ms"] == pytest.approx(50.0) and b["verifier_model_ms"] == pytest.approx(40.0)
+    assert b["grpc_queue_ms"] == pytest.approx(10.0) and b["between_steps_ms"] == pytest.approx(10.0)
+    assert compare.step_breakdown(before, before, 1.0) is None

@@ -51,3 +51,55 @@ class VerifyResponse(_message.Message):
     accepted_draft: int
     verify_ms: float
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted_draft: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+
+class VerifyRelease(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifyOpened(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class VerifyEntry(_message.Message):
+    __slots__ = ("request_id", "open", "round", "release")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    open: VerifyOpen
+    round: VerifyRound
+    release: VerifyRelease
+    def __init__(self, request_id: _Optional[str] = ..., open: _Optional[_Union[VerifyOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ..., release: _Optional[_Union[VerifyRelease, _Mapping]] = ...) -> None: ...
+
+class VerifyStep(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[VerifyEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[VerifyEntry, _Mapping]]] = ...) -> None: ...
+
+class VerifyEntryError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class VerifyEntryResult(_message.Message):
+    __slots__ = ("request_id", "opened", "verdict", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    opened: VerifyOpened
+    verdict: VerifyResponse
+    error: VerifyEntryError
+    def __init__(self, request_id: _Optional[str] = ..., opened: _Optional[_Union[VerifyOpened, _Mapping]] = ..., verdict: _Optional[_Union[VerifyResponse, _Mapping]] = ..., error: _Optional[_Union[VerifyEntryError, _Mapping]] = ...) -> None: ...
+
+class VerifyStepResult(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[VerifyEntryResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[VerifyEntryResult, _Mapping]]] = ...) -> None: ...

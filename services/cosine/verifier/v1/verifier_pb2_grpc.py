@@ -40,6 +40,11 @@ class VerifierStub:
                 request_serializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.VerifySteps = channel.stream_stream(
+                '/cosine.verifier.v1.Verifier/VerifySteps',
+                request_serializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyStep.SerializeToString,
+                response_deserializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyStepResult.FromString,
+                _registered_method=True)
         self.Info = channel.unary_unary(
                 '/cosine.verifier.v1.Verifier/Info',
                 request_serializer=cosine_dot_common_dot_v1_dot_common__pb2.InfoRequest.SerializeToString,
@@ -59,6 +64,17 @@ class VerifierServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def VerifySteps(self, request_iterator, context):
+        """One long-lived stream per scheduler: each message is one step of its step
+        loop, carrying entries for many requests (open, round, release); the rounds
+        of one message are verified together. Every message is answered by one
+        VerifyStepResult with one result per open and round entry, in order. Ending
+        the stream frees the KV cache of every request opened on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Info(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -72,6 +88,11 @@ def add_VerifierServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.FromString,
                     response_serializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.SerializeToString,
+            ),
+            'VerifySteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.VerifySteps,
+                    request_deserializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyStep.FromString,
+                    response_serializer=cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyStepResult.SerializeToString,
             ),
             'Info': grpc.unary_unary_rpc_method_handler(
                     servicer.Info,
@@ -106,6 +127,33 @@ class Verifier:
             '/cosine.verifier.v1.Verifier/Verify',
             cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyRequest.SerializeToString,
             cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def VerifySteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/cosine.verifier.v1.Verifier/VerifySteps',
+            cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyStep.SerializeToString,
+            cosine_dot_verifier_dot_v1_dot_verifier__pb2.VerifyStepResult.FromString,
             options,
             channel_credentials,
             insecure,
