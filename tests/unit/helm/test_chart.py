@@ -226,7 +226,7 @@ def test_autoscaling_modes(renders):
     scaled = next(d for d in default if d["kind"] == "ScaledObject" and d["metadata"]["name"] == "cosine-drafter-ngram")
     assert 'service="drafter-ngram"' in scaled["spec"]["triggers"][0]["metadata"]["query"]
     hpa = next(d for d in gpu if d["kind"] == "HorizontalPodAutoscaler" and d["metadata"]["name"] == "cosine-verifier")
-    assert {m["external"]["metric"]["name"] for m in hpa["spec"]["metrics"]} == {"cosine_rpc_in_flight", "cosine_worker_busy_fraction"}
+    assert {m["external"]["metric"]["name"] for m in hpa["spec"]["metrics"]} == {"cosine_verifier_kv_slots_used", "cosine_worker_busy_fraction"}
     # an autoscaled Deployment leaves replicas to its autoscaler
     assert all("replicas" not in d["spec"] for d in default if d["kind"] == "Deployment")
 
