@@ -187,6 +187,11 @@ def build_args(argv):
                    help="weights of the cluster's verifier and LM drafters and of llama-cpp's GGUF (auto: the services' "
                         "default, fp32 on CPU); identical_outputs compare with target-only's fp32 output, so they only "
                         "hold in float32")
+    p.add_argument("--suffix-memory-tokens", type=int, default=0,
+                   help="the suffix drafter's memory of earlier outputs, in tokens (default 0: off). The workload sends "
+                        "the same prompts at every load point and to every system, so with memory on the suffix "
+                        "drafter answers repeats from what the target wrote before: figures no stream of distinct "
+                        "requests gets. Set it (e.g. 131072, the service default) to measure that case on purpose")
     p.add_argument("--llama-server", default=None,
                    help="llama.cpp's llama-server binary for the llama-cpp system (else $COSINE_LLAMA_SERVER, else PATH)")
     p.add_argument("--llama-gguf", default=None,
@@ -331,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["COSINE_ROUTER_MAX_STREAMS"] = slots  # the router admits what the verifier holds
     os.environ.setdefault("COSINE_VERIFIER_MAX_CONTEXT", "2048")  # bounds the preallocated KV memory of those slots
     os.environ["COSINE_VERIFIER_DTYPE"] = os.environ["COSINE_DRAFTER_DTYPE"] = args.dtype
+    os.environ["COSINE_DRAFTER_MEMORY_TOKENS"] = str(args.suffix_memory_tokens)
+    notes.append(f"suffix drafter memory of earlier outputs: {args.suffix_memory_tokens} tokens" +
+                 (" (off: the workload repeats its prompts, and memory would replay the target's earlier answers)"
+                  if not args.suffix_memory_tokens else
+                  " (on: repeated prompts are drafted from the target's earlier answers to them)"))
     notes.append(f"precision: the cluster's verifier and LM drafters --dtype {args.dtype} "
                  f"({_native_dtype(args.dtype)} here); target-only and the transformers baselines fp32")
     spec = ClusterSpec(router_port=free_port(), drafters=drafter_specs)
