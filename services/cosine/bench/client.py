@@ -6,6 +6,7 @@ import re
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -68,34 +69,42 @@ def generate(stub, prompt, speculation: dict, max_new: int, prompt_index: int, a
     return rec
 
 
-def closed_loop(address: str, workload, order: list[int], speculation: dict, concurrency: int, max_new: int,
-                bar=None) -> tuple[list[RequestRecord], float]:
-    """`concurrency` clients, each sending its next request as soon as its last one finished."""
+def run_closed_loop(order: list[int], concurrency: int, send: Callable[[int, float], RequestRecord],
+                    bar=None) -> tuple[list[RequestRecord], float]:
+    """`concurrency` client threads, each sending its next request (`send(prompt_index, t0)`) as soon as its last
+    one finished; the records and the wall time. Every system's closed loop (the cluster's, llama.cpp's) is this."""
     records: list[RequestRecord] = []
     lock = threading.Lock()
     queue = list(order)
     t0 = time.perf_counter()
+
+    def client():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                p = queue.pop(0)
+            rec = send(p, t0)
+            with lock:
+                records.append(rec)
+            if bar is not None:
+                bar.update(1)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(max(1, concurrency))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return records, time.perf_counter() - t0
+
+
+def closed_loop(address: str, workload, order: list[int], speculation: dict, concurrency: int, max_new: int,
+                bar=None) -> tuple[list[RequestRecord], float]:
+    """`concurrency` clients, each sending its next request as soon as its last one finished."""
     with grpc.insecure_channel(address) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-
-        def client():
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    p = queue.pop(0)
-                rec = generate(stub, workload[p], speculation, max_new, p, time.perf_counter(), t0)
-                with lock:
-                    records.append(rec)
-                if bar is not None:
-                    bar.update(1)
-
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(max(1, concurrency))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    return records, time.perf_counter() - t0
+        return run_closed_loop(
+            order, concurrency, lambda p, t0: generate(stub, workload[p], speculation, max_new, p, time.perf_counter(), t0), bar)
 
 
 def poisson(address: str, workload, order: list[int], arrivals: list[float], speculation: dict, max_new: int,

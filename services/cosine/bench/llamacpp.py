@@ -22,7 +22,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -192,30 +191,14 @@ class LlamaCppSystem:
         complete(self.url, self.ids[prompt_index], 4, RequestRecord(prompt_index, "", 0.0), time.perf_counter())
 
     def closed_loop(self, workload, order: list[int], concurrency: int, max_new: int, bar=None) -> tuple[list[RequestRecord], float]:
-        records: list[RequestRecord] = []
-        lock = threading.Lock()
-        queue = list(order)
-        t0 = time.perf_counter()
+        from cosine.bench.client import run_closed_loop
 
-        def client():
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    p = queue.pop(0)
-                rec = RequestRecord(prompt_index=p, domain=workload[p].domain, arrival_s=time.perf_counter() - t0)
-                complete(self.url, self.ids[p], max_new, rec, t0)
-                with lock:
-                    records.append(rec)
-                if bar is not None:
-                    bar.update(1)
+        def send(p: int, t0: float) -> RequestRecord:
+            rec = RequestRecord(prompt_index=p, domain=workload[p].domain, arrival_s=time.perf_counter() - t0)
+            complete(self.url, self.ids[p], max_new, rec, t0)
+            return rec
 
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(max(1, concurrency))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return records, time.perf_counter() - t0
+        return run_closed_loop(order, concurrency, send, bar)
 
     def poisson(self, workload, order: list[int], arrivals: list[float], max_new: int, bar=None) -> tuple[list[RequestRecord], float]:
         t0 = time.perf_counter()
