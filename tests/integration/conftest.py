@@ -39,7 +39,10 @@ async def start_services(tiny_dirs, redis_url: str, **extra) -> LocalServices:
     started["fusion"] = await serve_fusion(FusionSettings(drafters=endpoints, **common))
     started["scheduler"] = await serve_scheduler(SchedulerSettings(
         verifier=f"127.0.0.1:{started['verifier'].port}", fusion=f"127.0.0.1:{started['fusion'].port}",
-        redis_url=redis_url, startup_timeout_s=30, **common))
+        redis_url=redis_url, startup_timeout_s=30,
+        # no speculation gate: these tests check what each mechanism does when requests draft, so adaptive
+        # requests must not stop drafting because plain decoding measured faster (test_gate.py covers the gate)
+        gate_window_s=0, **common))
     started["router"] = await serve_router(RouterSettings(
         scheduler=f"127.0.0.1:{started['scheduler'].port}", fusion=f"127.0.0.1:{started['fusion'].port}",
         model=str(tiny_dirs["target"]), max_new_tokens_limit=256, **common))

@@ -36,7 +36,7 @@ async def suffix_services(tiny_dirs, redis_server):
         drafters=f"suffix=127.0.0.1:{s['drafter-suffix'].port},tiny=127.0.0.1:{s['drafter-tiny'].port}", **common))
     s["scheduler"] = await serve_scheduler(SchedulerSettings(
         verifier=f"127.0.0.1:{s['verifier'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", redis_url=redis_server,
-        startup_timeout_s=30, **common))
+        startup_timeout_s=30, gate_window_s=0, **common))  # no gate: these tests measure what drafting accepts
     s["router"] = await serve_router(RouterSettings(
         scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", model=str(tiny_dirs["target"]),
         default_drafters=["suffix", "tiny"], max_new_tokens_limit=256, **common))

@@ -46,6 +46,9 @@ class SchedulerSettings(ServiceSettings):
     verifier_queue_high: int = Field(4, ge=1, description="requests waiting on the verifier at which speculation shrinks")
     step_max_requests: int = Field(16, ge=1, description="most requests the step loop verifies in one step")
     step_max_tokens: int = Field(256, ge=2, description="most positions the step loop verifies in one step (Σ 1 + tree nodes)")
+    gate_window_s: float = Field(0.5, ge=0, description=(
+        "window of the speculation gate: adaptive requests draft only at loads where windows that drafted committed "
+        "more tokens per second than windows that did not (0: no gate)"))
 
     @field_validator("switches")
     @classmethod
@@ -98,7 +101,8 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
     config = SchedulerConfig(settings.default_depth, settings.max_depth, switches=settings.parsed_switches(),
                              routing_k=settings.routing_k, routing_max_k=max(settings.routing_k, settings.routing_max_k),
                              routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high,
-                             step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens)
+                             step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens,
+                             gate_window_s=settings.gate_window_s)
     servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     await service.start()

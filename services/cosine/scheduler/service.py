@@ -28,7 +28,7 @@ from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter
 from cosine.scheduler.batching import BatchLimits
-from cosine.scheduler.speculation import RequestSpeculation, SpeculationController
+from cosine.scheduler.speculation import RequestSpeculation, SpeculationController, SpeculationGate
 from cosine.scheduler.steploop import Draft, Emission, Request, RoundOrder, RoundRecord, StepLoop, Verdict
 from cosine.scheduler.switches import Switches
 from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -70,6 +70,9 @@ class SchedulerMetrics:
                                          ["position"], registry=registry)
         self.step_size = Histogram("cosine_scheduler_step_size", "requests verified in one step of the step loop",
                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=registry)
+        self.gate = Gauge("cosine_scheduler_speculation_gate",
+                          "1 while adaptive requests may draft, 0 while the speculation gate measured plain decoding faster "
+                          "at the present load", registry=registry)
         self.step_seconds = Histogram("cosine_scheduler_step_seconds", "wall time of one verification step (send to answer)",
                                       buckets=LATENCY_BUCKETS, registry=registry)
         for position in range(16):  # exported from the start, so rates by position exist before the first accept
@@ -90,6 +93,7 @@ class SchedulerConfig:
     verifier_queue_high: int = 4  # requests waiting on the verifier at which speculation shrinks
     step_max_requests: int = 16  # most requests verified in one step
     step_max_tokens: int = 256  # most positions verified in one step (Σ 1 + tree nodes)
+    gate_window_s: float = 0.5  # the speculation gate's window (0: no gate, adaptive requests always may draft)
 
 
 FUSION_MODES = {"confidence": common_pb2.FUSION_MODE_CONFIDENCE, "merge": common_pb2.FUSION_MODE_MERGE,
@@ -207,6 +211,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         metrics.drafters_cap.set_function(lambda: self.controller.drafters)
         self.loop = StepLoop(self, BatchLimits(max_tokens=max(2, config.step_max_tokens), max_requests=max(1, config.step_max_requests)),
                              max_depth=config.max_depth, on_step=self._on_step)
+        self.gate = SpeculationGate(window_s=config.gate_window_s) if config.gate_window_s > 0 else None
+        metrics.gate.set_function(lambda: 1 if self.gate is None or self.gate.speculating else 0)
         self._steps_call = None  # the VerifySteps stream, opened with the first step
         self._steps_generation = 0
 
@@ -312,6 +318,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """(depth, drafters, tree budget) of the next round; `room` caps the depth (length, context)."""
         if not plan.speculate or room <= 0:
             return 0, [], 0
+        if plan.depth is not None and not self._gate_open():
+            return 0, [], 0  # adaptive: plain decoding has been faster for the server at this load
         if plan.router is not None:
             if plan.switches.fusion != "single":
                 plan.router.k = self.controller.drafters
@@ -328,6 +336,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if d > 0 and plan.switches.fusion == "confidence":  # side branches in proportion to the uncertainty
             budget = plan.depth.speculation.budget(d, 1.0, max_budget=d * (1 + len(drafters)))
         return d, drafters, budget
+
+    def _gate_open(self) -> bool:
+        return self.gate is None or self.gate.speculate(self.loop.clock.now(), self.loop.live)
 
     def _control(self) -> None:
         """Move the global caps from the verifier's load, at most every control_interval_s."""
@@ -352,6 +363,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         round's main chain is accepted whole, unless it would not hide behind the verification."""
         live: LiveRequest = request.payload
         if live.spec_call is None or not live.plan.switches.pipelining or live_count != 1:
+            return None
+        if live.plan.depth is not None and self.gate is not None and not self.gate.speculating:
             return None
         ahead_depth = min(max(order.depth, 1), room) + 1  # the first level guesses the bonus token
         costs = self.costs.costs((live.plan.switches.fusion, len(order.drafters)))
@@ -471,6 +484,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                  "cosine.tree_size": drafted, "cosine.accepted_length": accepted,
                                  "cosine.committed_tokens": committed, "cosine.batch_size": record.batch_size})
         live.end_round()
+        if self.gate is not None:
+            self.gate.observe(committed)
         self._learn(plan, reply, depth if reply is not None else 0, len(drafters), chain, min(verdict.accepted_draft, chain),
                     list(verdict.token_ids), draft_compute, verdict.compute_s, drafted, record.round_s)
         self._observe(drafted, accepted, committed, record.draft_s, record.verify_s, record.commit_s, draft_compute,

@@ -33,6 +33,13 @@ drafters (up to ``max_drafters``); backed up (queue ≥ ``queue_high``) → shri
 the reverse order, first drafters (down to 1), then depth, down to 0. Between
 the thresholds nothing changes (hysteresis).
 
+**For the server as a whole.** `SpeculationGate` measures, per load, whether rounds
+that draft commit more tokens per second *for all requests together* than plain
+decoding does, in alternating windows of wall time, and lets adaptive requests
+draft only where it has: the per-request model above cannot see the CPU the
+drafters take from the verifier on shared cores, nor the steps a drafting request
+misses.
+
 **Cap.** `shorten_longest_first` cuts a batch's speculation to a cap on draft
 tokens by taking one token at a time from the currently longest (ties: the
 later request in the given order), so short speculations, which are the most
@@ -44,7 +51,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def expected_tokens(alpha: float, depth: int) -> float:
@@ -239,3 +246,102 @@ class SpeculationController:
         if token_cap is not None:
             depths = shorten_longest_first(depths, max(0, token_cap - len(depths)))
         return depths
+
+
+def load_bucket(live: int) -> int:
+    """Live requests rounded up to a power of two (1, 2, 4, 8, ...): loads compared as alike; 0 when idle."""
+    return 0 if live <= 0 else 1 << (live - 1).bit_length()
+
+
+@dataclass
+class SpeculationGate:
+    """Does speculation make *this server* faster at its present load? Measured, not modelled.
+
+    The per-request cost model (`best_depth`) sees one request's rounds; it cannot see what
+    speculation costs the others: on shared cores the drafters' forwards take CPU from the
+    verifier, a request that drafts misses the step its neighbours go into, and a bigger tree
+    makes every request's step slower. So the scheduler runs its time in windows of
+    ``window_s`` seconds, each with speculation on or off for every adaptive request, and
+    keeps, per load bucket (live requests rounded up to a power of two), an exponentially
+    weighted mean of the tokens committed per second in each mode. A new window takes the
+    better mode of its bucket (of the nearest bucket where both modes were measured, until
+    both are measured at this one; with nothing measured anywhere, each mode once), and
+    every ``explore_every``-th window of a bucket tries the other one, so the other mode
+    gets measured and a change in the workload (better drafts, another mix) is noticed. Speculation then runs where it has paid at this
+    load and is off where it has not: at most one window in ``explore_every`` runs the losing
+    mode. A window whose load left its bucket, or that committed fewer than ``min_tokens``,
+    teaches nothing. Times come from the caller's clock (pure code: it runs in simulation).
+    """
+
+    window_s: float = 0.5
+    explore_every: int = 8
+    smoothing: float = 0.3
+    min_tokens: int = 4
+    rates: dict[int, dict[bool, float]] = field(default_factory=dict)  # bucket → mode (speculating?) → tokens/s
+    windows: dict[int, int] = field(default_factory=dict)  # windows measured per bucket
+    speculating: bool = True
+    _started: float | None = None
+    _bucket: int = 0
+    _tokens: int = 0
+    _mixed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window_s <= 0 or self.explore_every < 2 or not 0 < self.smoothing <= 1 or self.min_tokens < 0:
+            raise ValueError("need window_s > 0, explore_every >= 2, 0 < smoothing <= 1, min_tokens >= 0")
+
+    def speculate(self, now: float, live: int) -> bool:
+        """Whether rounds starting now may draft (``live``: requests the scheduler runs now)."""
+        bucket = load_bucket(live)
+        if self._started is None:
+            self._begin(now, bucket)
+        elif now - self._started >= self.window_s:
+            self._close(now)
+            self._begin(now, bucket)
+        elif bucket != self._bucket:
+            self._mixed = True
+        return self.speculating
+
+    def observe(self, tokens: int) -> None:
+        """Tokens committed (by any request) in the current window."""
+        self._tokens += max(0, tokens)
+
+    def _close(self, now: float) -> None:
+        elapsed = now - self._started
+        if self._mixed or self._bucket == 0 or elapsed <= 0 or self._tokens < self.min_tokens:
+            return
+        rate = self._tokens / elapsed
+        modes = self.rates.setdefault(self._bucket, {})
+        old = modes.get(self.speculating)
+        modes[self.speculating] = rate if old is None else old + self.smoothing * (rate - old)
+        self.windows[self._bucket] = self.windows.get(self._bucket, 0) + 1
+
+    def _begin(self, now: float, bucket: int) -> None:
+        self._started, self._bucket, self._tokens, self._mixed = now, bucket, 0, False
+        self.speculating = self.choose(bucket)
+
+    def choose(self, bucket: int) -> bool:
+        """The mode of the next window at this load bucket."""
+        modes = self.rates.get(bucket, {})
+        explore = self.windows.get(bucket, 0) % self.explore_every == self.explore_every - 1
+        if len(modes) == 2:
+            best = modes[True] >= modes[False]
+        else:
+            near = self._nearest_judged(bucket)
+            if near is None:  # nothing judged anywhere yet: measure both modes here first
+                return True not in modes
+            best = near  # as at the nearest load where both were measured, until this one is
+        return (not best) if explore else best
+
+    def _nearest_judged(self, bucket: int) -> bool | None:
+        judged = [b for b, m in self.rates.items() if len(m) == 2]
+        if not judged:
+            return None
+        b = min(judged, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), -b))
+        return self.rates[b][True] >= self.rates[b][False]
+
+    def gain(self, bucket: int) -> float | None:
+        """Speculating tokens/s over plain tokens/s at a bucket (None until both are measured)."""
+        modes = self.rates.get(bucket, {})
+        if True not in modes or False not in modes or modes[False] <= 0:
+            return None
+        return modes[True] / modes[False]

@@ -1,0 +1,90 @@
+"""The speculation gate: windows with and without drafting, compared per load (pure code, virtual time)."""
+
+import pytest
+
+from cosine.scheduler.speculation import SpeculationGate, load_bucket
+
+
+def run(gate: SpeculationGate, rate, live: int, seconds: float, tick: float = 0.05) -> list[bool]:
+    """Drive the gate for `seconds` more of virtual time at `live` requests; `rate(speculating)` tokens/s.
+    Returns the mode of every tick."""
+    t = getattr(gate, "_test_clock", 0.0)
+    end = t + seconds
+    modes = []
+    while t < end:
+        on = gate.speculate(t, live)
+        modes.append(on)
+        gate.observe(round(rate(on) * tick))
+        t += tick
+    gate._test_clock = t
+    return modes
+
+
+def test_load_buckets():
+    assert [load_bucket(n) for n in (0, 1, 2, 3, 4, 5, 8, 9, 16, 17)] == [0, 1, 2, 4, 4, 8, 8, 16, 16, 32]
+
+
+def test_turns_speculation_off_where_plain_decoding_is_faster():
+    gate = SpeculationGate(window_s=1.0, explore_every=8)
+    modes = run(gate, lambda on: 80 if on else 120, live=8, seconds=80)
+    late = modes[len(modes) // 4:]  # after the first measurements
+    share = sum(late) / len(late)
+    assert 0 < share <= 1 / 8 + 0.02  # only the exploring windows draft
+    assert gate.gain(8) == pytest.approx(80 / 120, rel=0.05)
+
+
+def test_keeps_speculation_where_it_pays():
+    gate = SpeculationGate(window_s=1.0, explore_every=8)
+    modes = run(gate, lambda on: 60 if on else 40, live=1, seconds=80)
+    late = modes[len(modes) // 4:]
+    assert sum(late) / len(late) >= 1 - 1 / 8 - 0.02
+    assert gate.gain(1) == pytest.approx(1.5, rel=0.05)
+
+
+def test_loads_are_judged_apart():
+    gate = SpeculationGate(window_s=1.0)
+    run(gate, lambda on: 60 if on else 40, live=1, seconds=30)  # alone, speculation pays
+    run(gate, lambda on: 80 if on else 120, live=16, seconds=30)  # under load it does not
+    assert gate.gain(1) > 1 > gate.gain(16)
+    assert gate.choose(1) is True or gate.windows[1] % gate.explore_every == gate.explore_every - 1
+    assert gate.choose(16) is False or gate.windows[16] % gate.explore_every == gate.explore_every - 1
+
+
+def test_follows_a_change_in_the_workload():
+    gate = SpeculationGate(window_s=1.0, explore_every=4, smoothing=0.5)
+    run(gate, lambda on: 50 if on else 100, live=4, seconds=40)
+    assert gate.gain(4) < 1
+    modes = run(gate, lambda on: 200 if on else 100, live=4, seconds=60)  # the drafts got good
+    assert gate.gain(4) > 1
+    assert sum(modes[-200:]) / 200 >= 0.6  # was ~1/4 (exploring only); now drafting but in exploring windows
+
+
+def test_a_window_whose_load_changed_or_that_idled_teaches_nothing():
+    gate = SpeculationGate(window_s=1.0)
+    gate.speculate(0.0, 4)
+    gate.observe(50)
+    gate.speculate(0.5, 16)  # the load left its bucket mid-window
+    gate.speculate(1.0, 16)
+    assert gate.rates == {}
+    gate.observe(0)
+    gate.speculate(2.0, 16)  # a window without tokens
+    assert gate.rates == {}
+    gate.speculate(2.5, 0)
+    gate.speculate(3.5, 0)  # idle
+    assert gate.rates == {}
+
+
+def test_rejects_bad_settings():
+    with pytest.raises(ValueError):
+        SpeculationGate(window_s=0)
+    with pytest.raises(ValueError):
+        SpeculationGate(explore_every=1)
+
+
+def test_a_new_load_starts_from_the_nearest_judged_one():
+    gate = SpeculationGate(window_s=1.0, explore_every=8)
+    run(gate, lambda on: 80 if on else 120, live=8, seconds=20)
+    assert gate.choose(16) is False  # not measured at 16 yet: as at 8
+    modes = run(gate, lambda on: 80 if on else 120, live=16, seconds=16)
+    assert sum(modes) / len(modes) <= 0.25  # no window-by-window trial of both modes first
+    assert 16 in gate.rates and True in gate.rates[16]  # the exploring windows measured drafting there too
