@@ -1,0 +1,71 @@
+"""How long the target's linear layers alone take for M new rows: the floor under a decode step and a tree verify.
+
+    python tools/measure_linear_floor.py                 # fp32 and bf16, rows 1 5 17 33, 1 thread
+    python tools/measure_linear_floor.py --rows 1 17 --dtypes float32
+
+The native engine's step is the target's linear layers (30 x qkv, o, gate/up, down, then the LM head: 134.5M
+weights for SmolLM2-135M) plus small ops. This times exactly those GEMMs with oneDNN's prepacked weights (what the
+engine uses on CPU), each layer with its own random weights so they stream from memory as in the model, on one
+thread with the thread's CPU time as the clock (robust on a shared machine). A verify of a 16-node tree pushes 17
+rows through them, a decode step 1: the ratio of the two rows' times is the least a tree verify can cost against a
+one-token step with this kernel, and rows x 2 x 134.5M / time is the rate the kernel reaches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+# SmolLM2-135M: hidden 576, intermediate 1536, 30 layers, 9 query heads / 3 kv heads of 64, vocabulary 49152
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+LAYERS, VOCAB, HIDDEN = 30, 49152, 576
+PARAMS = LAYERS * sum(a * b for a, b in SHAPES.values()) + VOCAB * HIDDEN
+
+
+def cpu_ms(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.thread_time()
+        fn()
+        times.append((time.thread_time() - t) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 5, 17, 33], help="new rows per step (1: decode, 17: 16-node tree)")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    pack = torch.ops.mkldnn._reorder_linear_weight
+    lin = torch.ops.mkldnn._linear_pointwise
+    print(f"linear layers of a 135M Llama ({PARAMS / 1e6:.1f}M weights), oneDNN prepacked, 1 thread, CPU time, median of {args.repeats}")
+    print(f"{'dtype':9} {'rows':>4} {'layers ms':>10} {'head ms':>8} {'total ms':>9} {'x rows=1':>8} {'GFLOPS':>7}")
+    for name in args.dtypes:
+        dt = getattr(torch, name)
+        weights = {k: [pack(torch.randn(*s, dtype=dt) * 0.02, 16) for _ in range(LAYERS)] for k, s in SHAPES.items()}
+        head = pack(torch.randn(VOCAB, HIDDEN, dtype=dt) * 0.02, 16)
+        base = None
+        for m in args.rows:
+            xs = {k: torch.randn(m, s[1], dtype=dt) for k, s in SHAPES.items()}
+            xh = torch.randn(m, HIDDEN, dtype=dt)
+
+            def layers():
+                for i in range(LAYERS):
+                    for k in SHAPES:
+                        lin(xs[k], weights[k][i], None, "none", [], "")
+
+            t_layers = cpu_ms(layers, args.repeats)
+            t_head = cpu_ms(lambda: lin(xh, head, None, "none", [], ""), args.repeats)
+            total = t_layers + t_head
+            base = total if base is None else base
+            print(f"{name:9} {m:4d} {t_layers:10.2f} {t_head:8.2f} {total:9.2f} {total / base:8.2f} {2 * m * PARAMS / total / 1e6:7.0f}")
+
+
+if __name__ == "__main__":
+    main()
