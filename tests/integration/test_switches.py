@@ -254,7 +254,7 @@ async def test_what_routing_and_adaptive_depth_learnt_is_in_redis(services, redi
     import redis.asyncio as aioredis
 
     from cosine.common.state import RequestStore
-    from cosine.router.routing import ExpertiseRouter
+    from cosine.scheduler.routing import ExpertiseRouter
 
     _, _, final = await generate(services.router, request_id="learnt", prompt=b"a b c a b c a b", max_new_tokens=24)
     client = aioredis.from_url(redis_server)

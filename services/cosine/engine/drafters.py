@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cosine.engine.prompt_fit import PromptFit
 from cosine.engine.vocab import DraftVocab
-from cosine.router.routing import PromptFit
 
 # Prompt positions a drafter scores for expertise routing's prior (the last ones of a long prompt).
 SCORED_POSITIONS = 256

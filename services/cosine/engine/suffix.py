@@ -30,7 +30,7 @@ from itertools import islice
 
 from cosine.engine.drafters import SCORED_POSITIONS, Drafter
 from cosine.engine.tree import DraftTree
-from cosine.router.routing import PromptFit
+from cosine.engine.prompt_fit import PromptFit
 
 SEP = -1  # between sequences in a stream: no token equals it, so no match or continuation crosses it
 KEYS = (4, 2, 1)  # n-gram lengths indexed, longest first

@@ -23,7 +23,7 @@ from cosine.common.streams import close_quietly, exchange
 from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
-from cosine.router.routing import ExpertiseRouter, PromptFit
+from cosine.scheduler.routing import ExpertiseRouter, PromptFit
 from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cosine.router.routing import ExpertiseRouter, PromptFit, agreement, harmonic
+from cosine.scheduler.routing import ExpertiseRouter, PromptFit, agreement, harmonic
 
 
 def fit(hit_rate: float, confidence: float = 0.5, positions: int = 40, mean_logprob: float | None = -3.0) -> PromptFit:
