@@ -31,7 +31,10 @@ class _Slot:
 
 
 class HFTarget:
-    """Verifies draft chains for many requests, one cache each (batch 1 per forward)."""
+    """Verifies draft chains for many requests, one cache each (batch 1 per forward). A `TargetEngine`."""
+
+    verifies_trees = False  # a tree's main chain only
+    kv_bytes_per_token = 0  # transformers' caches grow as they go: no preallocated slots to count
 
     def __init__(self, model, max_context: int | None = None):
         self.model = model
@@ -84,6 +87,10 @@ class HFTarget:
         slot.tokens.extend(accepted)
         slot.tokens.append(bonus)
         return VerifyOutcome(accepted + [bonus], len(accepted))
+
+    def verify_batch(self, items) -> list[VerifyOutcome]:
+        """One forward per request: transformers' caches of different lengths do not batch."""
+        return [self.verify(*item) for item in items]
 
     def release(self, request_id: str) -> None:
         self._slots.pop(request_id, None)

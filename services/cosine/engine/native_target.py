@@ -38,7 +38,9 @@ class _Request:
 
 
 class NativeTarget:
-    """Verifies draft trees for many requests, batched, over one slot-based KV cache."""
+    """Verifies draft trees for many requests, batched, over one slot-based KV cache. A `TargetEngine`."""
+
+    verifies_trees = True
 
     def __init__(self, model: NativeLlama, max_context: int | None = None, n_slots: int = 8):
         self.model = model

@@ -1,8 +1,8 @@
 """Continuous batching of verification rounds across requests (DESIGN §2, batch scheduling).
 
 Each Verify stream hands its round to `VerifyBatcher.verify` and awaits the
-outcome. One loop verifies waiting rounds together in one forward pass of the
-engine (`verify_batch`; engines without it verify one by one), so requests
+outcome. One loop verifies waiting rounds together in one call of the engine's
+`verify_batch` (`cosine.engine.target.TargetEngine`), so requests
 arriving while a batch runs form the next batch instead of queueing one
 forward each. Which waiting rounds go into a batch is the batch policy:
 
@@ -33,6 +33,7 @@ from typing import Literal
 
 from cosine.common.streams import ModelWorker
 from cosine.engine.sampling import Sampling
+from cosine.engine.target import TargetEngine
 from cosine.engine.tree import DraftTree
 from cosine.scheduler.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed
 from cosine.scheduler.speculation import shorten_longest_first
@@ -74,7 +75,7 @@ def cut_tree(tree: DraftTree, n: int) -> DraftTree:
 
 
 class VerifyBatcher:
-    def __init__(self, engine, worker: ModelWorker, max_batch: int = 16,
+    def __init__(self, engine: TargetEngine, worker: ModelWorker, max_batch: int = 16,
                  on_batch: Callable[[BatchStep], None] | None = None, policy: BatchPolicy = "fifo",
                  limits: BatchLimits | None = None, time_model: VerifyTimeModel | None = None,
                  clock: Callable[[], float] = time.perf_counter):
@@ -89,7 +90,7 @@ class VerifyBatcher:
         self.time_model = time_model or VerifyTimeModel()
         self.clock = clock
         self._on_batch = on_batch  # called with a BatchStep after each batch
-        self._chain_only = not hasattr(engine, "verify_batch")  # the transformers backend verifies the main chain
+        self._chain_only = not engine.verifies_trees  # the transformers backend verifies the main chain
         self._queue: list[_Pending] = []
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
@@ -112,9 +113,7 @@ class VerifyBatcher:
 
     def _context_len(self, request_id: str) -> int:
         try:
-            if hasattr(self.engine, "context_len"):
-                return int(self.engine.context_len(request_id))
-            return len(self.engine.committed(request_id))
+            return int(self.engine.context_len(request_id))
         except KeyError:  # released: its round is answered Released when the batch runs
             return 0
 
@@ -126,7 +125,7 @@ class VerifyBatcher:
         now = self.clock()
         limits = self.limits
         cap = limits.max_tokens
-        per_token = int(getattr(self.engine, "kv_bytes_per_token", 0) or 0)
+        per_token = int(self.engine.kv_bytes_per_token or 0)
         pool: list[ReadyRequest] = []
         for i, p in enumerate(queue):
             n = min(len(p.tree), cap - 1)  # a tree beyond the cap is never verified whole
@@ -169,10 +168,7 @@ class VerifyBatcher:
     def _verify_present(self, batch: list[tuple[str, DraftTree, Sampling]]) -> dict[str, object]:
         """On the model thread: verify the rounds whose request still holds a cache."""
         items = [item for item in batch if item[0] in self.engine]
-        if hasattr(self.engine, "verify_batch"):
-            outcomes = self.engine.verify_batch(items) if items else []
-        else:
-            outcomes = [self.engine.verify(*item) for item in items]
+        outcomes = self.engine.verify_batch(items) if items else []
         return {item[0]: o for item, o in zip(items, outcomes)}
 
     async def _run(self) -> None:

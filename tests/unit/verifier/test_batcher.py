@@ -17,6 +17,9 @@ from cosine.verifier.batcher import BatchStep, VerifyBatcher, _Pending, cut_tree
 class FakeEngine:
     """Accepts every draft token; records the (request id, tree) of each verify_batch call."""
 
+    verifies_trees = True
+    kv_bytes_per_token = 0
+
     def __init__(self, contexts: dict[str, int]):
         self.contexts = dict(contexts)
         self.calls: list[list[tuple[str, DraftTree]]] = []

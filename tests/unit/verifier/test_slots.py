@@ -20,6 +20,8 @@ class SlowOpenEngine:
 
     vocab_size = 100
     max_context = 64
+    verifies_trees = True
+    kv_bytes_per_token = 0
 
     def __init__(self, n_slots: int):
         self.n_slots = n_slots
