@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.validate:
         from cosine.plan import validate
 
-        with Progress("cosine plan --validate", expected_s=240 if args.quick else 480) as progress:
+        with Progress("cosine plan --validate", expected_s=300 if args.quick else 600) as progress:
             doc = validate.run(args, progress)
         doc["command"] = "cosine plan " + " ".join(argv if argv is not None else sys.argv[1:])
         print(validate.format_table(doc))

@@ -2,7 +2,8 @@
 
 * verifier step: `cosine.scheduler.batching.VerifyTimeModel`'s own form,
   ``c0 + c1·b(d+1) + c2·bL + c3·b(d+1)L`` (b requests, longest context L, largest tree d),
-  plus a prefill of ``p0 + p1·tokens`` for each request the step opens;
+  plus ``verify_tree_s`` when any request of the step brings a draft tree, plus a prefill of
+  ``p0 + p1·tokens`` for each request the step opens;
 * drafter step (one drafter node, a round of d steps for one request): `DraftTimeModel`'s
   form ``c0 + c1·d + c2·d·b + c3·d·b·L`` (b = 1: a node drafts one request at a time, FIFO),
   and its prefill of a prompt (seconds per prompt token) when a request opens on it;
@@ -43,6 +44,7 @@ class Link:
 @dataclass
 class Costs:
     verify: list[float] = field(default_factory=lambda: [0.02, 0.0, 0.0, 0.0])  # VerifyTimeModel coefficients
+    verify_tree_s: float = 0.0  # extra for a step with any draft tree in it (the engine's tree-attention path)
     prefill: list[float] = field(default_factory=lambda: [0.0, 0.0])  # p0, p1 per prompt token
     drafters: dict[str, list[float]] = field(default_factory=dict)  # drafter name → DraftTimeModel coefficients
     default_drafter: list[float] = field(default_factory=lambda: [0.0, 0.005, 0.0, 0.0])
@@ -60,7 +62,7 @@ class Costs:
 
     def verify_s(self, b: int, context: int, tree: int) -> float:
         m = VerifyTimeModel(self.verify)
-        return m.predict(b, context, tree)
+        return m.predict(b, context, tree) + (self.verify_tree_s if tree > 0 else 0.0)
 
     def prefill_s(self, tokens: int) -> float:
         return max(0.0, self.prefill[0] + self.prefill[1] * tokens) if tokens > 0 else 0.0

@@ -47,27 +47,85 @@ from cosine.verifier.v1 import verifier_pb2
 WRONG = 7  # a token no target continuation uses (continuations are ≥ 1000)
 
 
-class Device:
-    """A FIFO server: one job at a time, in arrival order (asyncio.Lock is fair)."""
+class SharedCPU:
+    """Processor sharing of one machine's cores: every job computing at once progresses at
+    ``min(1, cores / Σ threads)`` of its own uncontended speed (a job's seconds are its time alone with its threads).
+    Completion times are recomputed whenever a job starts or ends."""
 
-    def __init__(self, name: str):
+    def __init__(self, cores: int):
+        self.cores = max(1, cores)
+        self._jobs: dict[int, list] = {}  # id → [remaining seconds, threads, future]
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._ids = 0
+
+    def _rate(self) -> float:
+        threads = sum(j[1] for j in self._jobs.values())
+        return min(1.0, self.cores / threads) if threads else 1.0
+
+    def _advance(self) -> None:
+        now = asyncio.get_running_loop().time()
+        rate = self._rate()
+        for job in self._jobs.values():
+            job[0] -= (now - self._last) * rate
+        self._last = now
+
+    def _reschedule(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for key in [k for k, j in self._jobs.items() if j[0] <= 1e-12]:
+            job = self._jobs.pop(key)
+            if not job[2].done():
+                job[2].set_result(None)
+        if self._jobs:
+            soonest = min(j[0] for j in self._jobs.values())
+            self._timer = asyncio.get_running_loop().call_later(soonest / self._rate(), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        self._advance()
+        self._reschedule()
+
+    async def run(self, seconds: float, threads: int) -> None:
+        self._advance()
+        self._ids += 1
+        key = self._ids
+        future = asyncio.get_running_loop().create_future()
+        self._jobs[key] = [seconds, max(1, threads), future]
+        self._reschedule()
+        try:
+            await future
+        finally:
+            if key in self._jobs:  # cancelled: its share goes to the others
+                self._advance()
+                self._jobs.pop(key, None)
+                self._reschedule()
+
+
+class Device:
+    """A FIFO server: one job at a time, in arrival order (asyncio.Lock is fair); on a `SharedCPU` when given one."""
+
+    def __init__(self, name: str, cpu: SharedCPU | None = None, threads: int = 1):
         self.name = name
         self._lock = asyncio.Lock()
         self.busy_s = 0.0
         self.jobs = 0
         self.queued = 0
+        self.cpu, self.threads = cpu, threads
 
     async def run(self, seconds: float) -> None:
         self.queued += 1
-        try:
-            async with self._lock:
-                self.queued -= 1
-                if seconds > 0:
+        async with self._lock:
+            self.queued -= 1
+            started = asyncio.get_running_loop().time()
+            if seconds > 0:
+                if self.cpu is not None:
+                    await self.cpu.run(seconds, self.threads)
+                else:
                     await asyncio.sleep(seconds)
-                self.busy_s += seconds
-                self.jobs += 1
-        except BaseException:
-            raise
+            self.busy_s += asyncio.get_running_loop().time() - started
+            self.jobs += 1
 
 
 class SimLink:
@@ -106,7 +164,9 @@ class Deployment:
     speculation: dict = field(default_factory=dict)  # SpeculationParams fields, as the benchmark's systems set them
     scheduler: dict = field(default_factory=dict)  # SchedulerConfig overrides
     colocated: bool = False  # the drafters run on the verifier's own device (vanilla speculative decoding)
-    shared: list[str] = field(default_factory=list)  # drafters whose nodes compute on the verifier's device (one CPU)
+    # one machine's cores shared by processes (the local cluster): {"cores": 2, "threads": {"verifier": 2, "lm-x": 1}};
+    # the verifier and the drafters named there compute on them by processor sharing
+    cpu: dict | None = None
 
     def config(self) -> SchedulerConfig:
         return SchedulerConfig(**{**self.scheduler, "switches": Switches()})
@@ -117,6 +177,7 @@ class SimPrompt:
     domain: str
     prompt_len: int
     max_new_tokens: int
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -132,22 +193,29 @@ class _SimState:
 
 
 class Simulation:
-    def __init__(self, deployment: Deployment, costs: Costs, trace: AcceptanceTrace, seed: int = 0):
+    def __init__(self, deployment: Deployment, costs: Costs, trace: AcceptanceTrace, seed: int = 0,
+                 scheduler_class: type | None = None, config: SchedulerConfig | None = None):
         self.deployment, self.costs, self.trace, self.seed = deployment, costs, trace, seed
         self.clock = LoopClock()
         self.internal = SimLink("internal", costs.link("internal"))
-        self.verifier_devices = [Device(f"verifier-{i}") for i in range(max(1, deployment.verifiers))]
+        cpu = SharedCPU(deployment.cpu["cores"]) if deployment.cpu else None
+        threads = (deployment.cpu or {}).get("threads", {})
+        self.verifier_devices = [Device(f"verifier-{i}", cpu if "verifier" in threads else None, threads.get("verifier", 1))
+                                 for i in range(max(1, deployment.verifiers))]
         self.verifier_links = [SimLink(f"verifier-link-{i}", costs.link("verifier")) for i in range(len(self.verifier_devices))]
         self.nodes: dict[str, list[DrafterNode]] = {}
         for name, count in deployment.drafters.items():
             self.nodes[name] = []
             for i in range(max(1, count)):
-                on_verifier = deployment.colocated or name in deployment.shared
-                device = self.verifier_devices[i % len(self.verifier_devices)] if on_verifier else Device(f"{name}-{i}")
+                if deployment.colocated:
+                    device = self.verifier_devices[i % len(self.verifier_devices)]
+                else:
+                    device = Device(f"{name}-{i}", cpu if name in threads else None, threads.get(name, 1))
                 link = SimLink(f"{name}-{i}-link", Link() if deployment.colocated else costs.link("drafter"))
                 self.nodes[name].append(DrafterNode(name, i, device, link))
-        config = deployment.config()
-        self.schedulers = [SimScheduler(self, i, i % len(self.verifier_devices), config) for i in range(max(1, deployment.schedulers))]
+        config = config or deployment.config()
+        cls = scheduler_class or SimScheduler
+        self.schedulers = [cls(self, i, i % len(self.verifier_devices), config) for i in range(max(1, deployment.schedulers))]
         self._next_scheduler = 0
         self._requests = 0
 
@@ -247,7 +315,8 @@ class SimScheduler(SchedulerServicer):
             else:  # the open is written and not waited for; the node prefills before its first draft (FIFO)
                 for coro in opens:
                     asyncio.get_running_loop().create_task(coro)
-        entry = Request(rid, prompt.prompt_len, prompt.max_new_tokens, self.config.max_context, frozenset(), payload=live)
+        entry = Request(rid, prompt.prompt_len, prompt.max_new_tokens, self.config.max_context,
+                        frozenset(prompt.stop_token_ids), payload=live)
         self.loop.add(entry)
 
     def _prompt_fit(self, name: str, state: _SimState) -> common_pb2.PromptFit:

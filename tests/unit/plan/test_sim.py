@@ -140,3 +140,40 @@ def test_a_trace_is_the_rounds_of_the_streamed_chunks():
     assert trace.rounds == {"d": {"code": [2, 0, 4]}}
     assert trace.accepted("d", "code", 2, depth=3) == 3  # truncated to the depth asked for
     assert trace.accepted("d", "docs", 0, depth=8) == 2  # an unrecorded domain: all of the drafter's rounds
+
+
+def test_the_calibration_fit_keeps_every_cost_nonnegative():
+    import numpy as np
+
+    from cosine.plan.validate import nonnegative_lstsq
+
+    X = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    assert nonnegative_lstsq(X, np.array([3.0, 5.0, 7.0])) == pytest.approx([1.0, 2.0])
+    # falling times would need a negative slope: the slope is dropped, the intercept is the mean
+    assert nonnegative_lstsq(X, np.array([3.0, 2.0, 1.0])) == pytest.approx([2.0, 0.0])
+
+
+def test_jobs_on_a_shared_cpu_slow_each_other_by_processor_sharing():
+    from cosine.plan.sim import SharedCPU
+
+    async def main():
+        cpu = SharedCPU(cores=2)
+        loop = asyncio.get_running_loop()
+        done = {}
+
+        async def job(name, seconds, threads, start=0.0):
+            await asyncio.sleep(start)
+            await cpu.run(seconds, threads)
+            done[name] = loop.time()
+
+        # 3 threads on 2 cores: both at 2/3 speed until b is done at 0.75 s; a then alone, 0.5 s of work left
+        await asyncio.gather(job("a", 1.0, 2), job("b", 0.5, 1))
+        first = dict(done)
+        done.clear()
+        t0 = loop.time()
+        await asyncio.gather(job("c", 1.0, 1), job("d", 1.0, 1))  # 2 threads on 2 cores: no slowdown
+        return first, {k: v - t0 for k, v in done.items()}
+
+    first, second = simloop.run(main())
+    assert first == {"b": pytest.approx(0.75), "a": pytest.approx(1.25)}
+    assert second == {"c": pytest.approx(1.0), "d": pytest.approx(1.0)}
