@@ -65,6 +65,13 @@ def cosine_deployment(scenario: dict, nodes: int | None = None) -> Deployment:
                       scheduler=d.get("scheduler", {}))
 
 
+def fixed_depth_deployment(scenario: dict, depth: int = 4) -> Deployment:
+    """CoSine with adaptive depth off (every round drafts `depth`): what drafting costs when it always runs."""
+    d = cosine_deployment(scenario)
+    d.speculation = {**d.speculation, "adaptive_depth": False, "max_depth": depth}
+    return d
+
+
 def baseline_deployment(scenario: dict) -> Deployment:
     b = scenario["baseline"]
     return Deployment(schedulers=1, verifiers=1, drafters={b["drafter"]: 1}, candidates=[b["drafter"]],
@@ -136,12 +143,15 @@ def sweep(scenario, costs, base_costs, trace, prompts, n, progress) -> dict:
         out["rate"].append({"system": "vanilla-sd", "rate": rate, **r})
         r = point(scenario, cosine_deployment(scenario), costs, trace, prompts, rate=rate, n=n)
         out["rate"].append({"system": "cosine", "rate": rate, **r})
+        r = point(scenario, fixed_depth_deployment(scenario), costs, trace, prompts, rate=rate, n=n)
+        out["rate"].append({"system": "cosine-fixed-depth", "rate": rate, **r})
     for mbps in s["link_mbps"]:
         progress.phase(f"sweep: drafter links at {mbps} Mbps")
         c = type(costs).from_dict(costs.to_dict())
         c.links["drafter"] = link_from({**scenario["links"]["drafter"], "bandwidth_mbps": mbps})
-        r = point(scenario, cosine_deployment(scenario), c, trace, prompts, rate=rate0, n=n)
-        out["link_mbps"].append({"mbps": mbps, "rate": rate0, **r})
+        for system, deployment in (("cosine", cosine_deployment(scenario)), ("cosine-fixed-depth", fixed_depth_deployment(scenario))):
+            r = point(scenario, deployment, c, trace, prompts, rate=rate0, n=n)
+            out["link_mbps"].append({"system": system, "mbps": mbps, "rate": rate0, **r})
     out["recommendation"] = recommend(out["drafter_nodes"], s.get("tpot_slack", 0.1))
     return out
 
@@ -157,9 +167,14 @@ def recommend(rows: list[dict], slack: float) -> list[dict]:
         best = min(r["tpot_ms_p50"] for r in at)
         ok = sorted((r for r in at if r["tpot_ms_p50"] <= best * (1 + slack)), key=lambda r: r["nodes"])
         pick = ok[0]
+        # the balance point as autoscaling targets (k8s/planner.md): requests a verifier holds there (Little's law:
+        # arrival rate x time in the system) and the Draft streams each drafter node serves (routing's 2 per request)
+        held = rate * (pick["e2e_ms_p50"] or 0) / 1000
         out.append({"rate": rate, "drafter_nodes_per_verifier": pick["nodes"], "tpot_ms_p50": pick["tpot_ms_p50"],
                     "tokens_per_s": pick["tokens_per_s"], "tokens_per_dollar": pick["tokens_per_dollar"],
-                    "best_tpot_ms_p50": best})
+                    "best_tpot_ms_p50": best, "verifier_busy": pick["verifier_busy"],
+                    "verifier_requests_held": round(held, 2),
+                    "drafter_streams_per_node": round(held * 2 / pick["nodes"], 2) if pick["nodes"] else None})
     return out
 
 
@@ -177,15 +192,17 @@ def plot(doc: dict, path: Path) -> list[str]:
         axes[1][0].plot([r["nodes"] for r in rows], [r["tpot_ms_p50"] for r in rows], marker="o", label=f"{rate}/s")
     axes[0][0].set(title="drafter nodes per verifier", ylabel="output tokens/s")
     axes[1][0].set(xlabel="drafter nodes", ylabel="TPOT p50 (ms)")
-    for system in ("cosine", "vanilla-sd"):
+    for system in ("cosine", "cosine-fixed-depth", "vanilla-sd"):
         rows = [r for r in sw["rate"] if r["system"] == system]
         axes[0][1].plot([r["rate"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=system)
         axes[1][1].plot([r["rate"] for r in rows], [r["tpot_ms_p50"] for r in rows], marker="o", label=system)
     axes[0][1].set(title="request rate (Poisson)", ylabel="output tokens/s")
     axes[1][1].set(xlabel="requests/s", ylabel="TPOT p50 (ms)")
-    rows = sw["link_mbps"]
-    axes[0][2].plot([r["mbps"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o")
-    axes[1][2].plot([r["mbps"] for r in rows], [r["tpot_ms_p50"] for r in rows], marker="o")
+    for system in ("cosine", "cosine-fixed-depth"):
+        rows = [r for r in sw["link_mbps"] if r["system"] == system]
+        axes[0][2].plot([r["mbps"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=system)
+        axes[1][2].plot([r["mbps"] for r in rows], [r["tpot_ms_p50"] for r in rows], marker="o", label=system)
+    axes[0][2].legend(fontsize=8)
     axes[0][2].set(title="drafter link speed", ylabel="output tokens/s", xscale="log")
     axes[1][2].set(xlabel="Mbps", ylabel="TPOT p50 (ms)", xscale="log")
     for ax in axes.flat:
@@ -213,10 +230,17 @@ def format_report(doc: dict) -> str:
                      f"{r['vanilla_tokens_per_s_at_equal_cost']:.1f} tok/s; CoSine/vanilla = {r['cosine_over_vanilla_at_equal_cost']:.2f}")
     if doc.get("sweep"):
         lines += ["", "recommendation (fewest drafter nodes per verifier within 10% of the best TPOT p50 at each rate):",
-                  f"{'req/s':>6} {'nodes':>6} {'TPOT50':>8} {'best':>8} {'tok/s':>8} {'tok/$':>9}"]
+                  f"{'req/s':>6} {'nodes':>6} {'TPOT50':>8} {'best':>8} {'tok/s':>8} {'tok/$':>9} {'verif busy':>10} "
+                  f"{'held/verif':>10} {'streams/node':>12}"]
         for r in doc["sweep"]["recommendation"]:
+            spn = r["drafter_streams_per_node"]
             lines.append(f"{r['rate']:>6} {r['drafter_nodes_per_verifier']:>6} {r['tpot_ms_p50']:8.2f} {r['best_tpot_ms_p50']:8.2f} "
-                         f"{r['tokens_per_s']:8.1f} {r['tokens_per_dollar']:9.0f}")
-        lines += ["", "link speed (drafter links):"] + [f"  {r['mbps']:>7} Mbps: {r['tokens_per_s']:.1f} tok/s, TPOT p50 {r['tpot_ms_p50']:.2f} ms"
-                                                       for r in doc["sweep"]["link_mbps"]]
+                         f"{r['tokens_per_s']:8.1f} {r['tokens_per_dollar']:9.0f} {r['verifier_busy'] or 0:10.2f} "
+                         f"{r['verifier_requests_held']:10.2f} {'-' if spn is None else f'{spn:.2f}':>12}")
+        lines += ["", "request rate (Poisson):"] + [
+            f"  {r['rate']:>5}/s {r['system']:>18}: {r['tokens_per_s']:.1f} tok/s, TPOT p50 {r['tpot_ms_p50']:.2f} ms, "
+            f"{r['mean_accepted_len'] or 0:.2f} tokens/round" for r in doc["sweep"]["rate"]]
+        lines += ["", "drafter link speed:"] + [
+            f"  {r['mbps']:>7} Mbps {r['system']:>18}: {r['tokens_per_s']:.1f} tok/s, TPOT p50 {r['tpot_ms_p50']:.2f} ms"
+            for r in doc["sweep"]["link_mbps"]]
     return "\n".join(lines)

@@ -60,7 +60,8 @@ def snapshot(ports: dict) -> dict:
             "commit_sum": s.get("cosine_scheduler_commit_seconds_sum", 0.0), "rounds": s.get("cosine_scheduler_rounds_total", 0.0),
             "draft_sum": s.get("cosine_scheduler_draft_seconds_sum", 0.0), "draft_count": s.get("cosine_scheduler_draft_seconds_count", 0.0),
             "draft_compute_sum": s.get("cosine_scheduler_draft_compute_seconds_sum", 0.0),
-            "drafted": s.get("cosine_scheduler_drafted_tokens_total", 0.0)}
+            "drafted": s.get("cosine_scheduler_drafted_tokens_total", 0.0),
+            "depth_sum": s.get("cosine_scheduler_depth_sum", 0.0), "depth_count": s.get("cosine_scheduler_depth_count", 0.0)}
 
 
 def delta(before: dict, after: dict) -> dict:
@@ -146,6 +147,10 @@ def _mean_of(a: dict, b: dict) -> dict:
         if isinstance(v, (int, float)) and isinstance(b.get(k), (int, float)) and not isinstance(v, bool):
             out[k] = (v + b[k]) / 2
     return out
+
+
+def _ratio(d: dict, num: str, den: str) -> float | None:
+    return d[num] / d[den] if d.get(den) else None
 
 
 def _step_ms(d: dict) -> float | None:
@@ -274,6 +279,8 @@ def run(args, progress) -> dict:
                      "measured_tpot_ms_p50": m["tpot_ms_p50"], "simulated_tpot_ms_p50": s["tpot_ms_p50"],
                      "measured_accepted_len": m["mean_accepted_len"], "simulated_accepted_len": s["mean_accepted_len"],
                      "measured_mean_step": _mean_batch(runs[f"full{conc}"][0]),
+                     "measured_mean_depth": _ratio(runs[f"full{conc}"][0], "depth_sum", "depth_count"),
+                     "simulated_mean_depth": sum(d[1] for d in s["decisions"]) / len(s["decisions"]) if s["decisions"] else None,
                      "simulated_mean_step": (sum(s["steps"]) / len(s["steps"])) if s["steps"] else None,
                      "measured_verifier_busy": m["verifier_busy"], "simulated_verifier_busy": s["verifier_busy"],
                      "measured_verifier_ms_per_step": _step_ms(runs[f"full{conc}"][0]),

@@ -177,3 +177,50 @@ def test_jobs_on_a_shared_cpu_slow_each_other_by_processor_sharing():
     first, second = simloop.run(main())
     assert first == {"b": pytest.approx(0.75), "a": pytest.approx(1.25)}
     assert second == {"c": pytest.approx(1.0), "d": pytest.approx(1.0)}
+
+
+def test_two_schedulers_spread_requests_over_two_verifiers():
+    from cosine.plan.sim import Simulation
+
+    async def main():
+        sim = Simulation(Deployment(schedulers=2, verifiers=2, speculation={"disabled": True}), _costs(), AcceptanceTrace(8, {}))
+        records, wall = await sim.closed_loop([SimPrompt("code", 16, 10)] * 4, [0, 1, 2, 3], 4)
+        await sim.close()
+        return records, wall, [d.jobs for d in sim.verifier_devices]
+
+    records, wall, jobs = simloop.run(main())
+    assert all(len(r.token_ids) == 10 for r in records)
+    assert jobs[0] > 0 and jobs[1] > 0  # the router's round robin: each scheduler on its own verifier
+    assert wall == pytest.approx(10 * 0.012)  # two requests per verifier step, all four done after ten steps
+
+
+def test_cosine_plan_help_explains_its_modes(capsys):
+    from cosine.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--validate" in out and "--sweep" in out and "measured_tokens_per_s" in out
+
+
+def test_the_paper_scenario_loads_with_its_roofline_costs_and_mapped_trace():
+    from cosine.plan import scenario
+    from cosine.plan.costs import from_profile, load_profiles
+
+    path = scenario.HERE / "scenarios" / "paper.json"
+    doc = scenario.load(path)
+    costs = from_profile(doc)
+    a100 = load_profiles()["devices"]["A100-80GB-SXM"]
+    eff = load_profiles()["efficiency"]
+    # 13B bf16 weights read once per step from 4 A100s at the stated efficiency, the per-pass overhead, and the
+    # FLOPs of the one position verified (2 per parameter)
+    expected = (13e9 * 2 / (4 * a100["memory_bandwidth_gb_s"] * 1e9 * eff["memory"]) + eff["forward_overhead_ms"] / 1000
+                + 2 * 13e9 / (4 * a100["bf16_dense_tflops"] * 1e12 * eff["compute"]))
+    assert costs.verify_s(1, 256, 0) == pytest.approx(expected, rel=1e-3)
+    assert costs.link("drafter").transfer_s(1250) == pytest.approx(0.002 + 1250 * 8 / 100e6)
+    trace = scenario.trace_of(doc, path.parent)
+    assert set(doc["deployment"]["drafters"]) <= set(trace.rounds)
+    cos, van = scenario.cosine_deployment(doc), scenario.baseline_deployment(doc)
+    assert sum(cos.drafters.values()) == 16 and van.colocated
+    assert scenario.hourly(doc, cos) == pytest.approx(20.49 + 16 * 0.805)
