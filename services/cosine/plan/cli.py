@@ -4,8 +4,8 @@ slower link costs — answered by a discrete-event simulation that runs the sche
   cosine plan [SCENARIO]            simulate a scenario file (default: the shipped paper set-up,
                                     16 drafter nodes on 100 Mbps links, a 4xA100 verifier on 10 Gbps)
                                     against vanilla speculative decoding at equal cost
-  cosine plan --sweep               also sweep drafter nodes per verifier, request rate and link
-                                    speed: plots (throughput and TPOT against each) and a
+  cosine plan --sweep               also sweep drafter nodes per verifier, request rate, link
+                                    speed and latency: plots (throughput and TPOT against each), a
                                     recommendation table
   cosine plan --validate            run the local cluster and the simulator on the same workload at
                                     concurrency 1, 4, 8 and print both side by side (--quick: fewer,

@@ -130,7 +130,7 @@ def run(path: Path, args, progress) -> dict:
 
 def sweep(scenario, costs, base_costs, trace, prompts, n, progress) -> dict:
     s = scenario["sweep"]
-    out = {"drafter_nodes": [], "rate": [], "link_mbps": []}
+    out = {"drafter_nodes": [], "rate": [], "link_mbps": [], "link_latency_ms": []}
     rate0 = s.get("base_rate", 4.0)
     for k in s["drafter_nodes"]:
         progress.phase(f"sweep: {k} drafter nodes per verifier")
@@ -152,6 +152,13 @@ def sweep(scenario, costs, base_costs, trace, prompts, n, progress) -> dict:
         for system, deployment in (("cosine", cosine_deployment(scenario)), ("cosine-fixed-depth", fixed_depth_deployment(scenario))):
             r = point(scenario, deployment, c, trace, prompts, rate=rate0, n=n)
             out["link_mbps"].append({"system": system, "mbps": mbps, "rate": rate0, **r})
+    for ms in s.get("link_latency_ms", []):
+        progress.phase(f"sweep: drafter links at {ms} ms latency")
+        c = type(costs).from_dict(costs.to_dict())
+        c.links["drafter"] = link_from({**scenario["links"]["drafter"], "latency_ms": ms})
+        for system, deployment in (("cosine", cosine_deployment(scenario)), ("cosine-fixed-depth", fixed_depth_deployment(scenario))):
+            r = point(scenario, deployment, c, trace, prompts, rate=rate0, n=n)
+            out["link_latency_ms"].append({"system": system, "latency_ms": ms, "rate": rate0, **r})
     out["recommendation"] = recommend(out["drafter_nodes"], s.get("tpot_slack", 0.1))
     return out
 
@@ -185,7 +192,7 @@ def plot(doc: dict, path: Path) -> list[str]:
     import matplotlib.pyplot as plt
 
     sw = doc["sweep"]
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig, axes = plt.subplots(2, 4, figsize=(19, 8))
     for rate in sorted({r["rate"] for r in sw["drafter_nodes"]}):
         rows = [r for r in sw["drafter_nodes"] if r["rate"] == rate]
         axes[0][0].plot([r["nodes"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=f"{rate}/s")
@@ -203,6 +210,13 @@ def plot(doc: dict, path: Path) -> list[str]:
         axes[0][2].plot([r["mbps"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=system)
         axes[1][2].plot([r["mbps"] for r in rows], [r["tpot_ms_p50"] for r in rows], marker="o", label=system)
     axes[0][2].legend(fontsize=8)
+    for system in ("cosine", "cosine-fixed-depth"):
+        rows = [r for r in sw.get("link_latency_ms", []) if r["system"] == system]
+        axes[0][3].plot([r["latency_ms"] for r in rows], [r["tokens_per_s"] for r in rows], marker="o", label=system)
+        axes[1][3].plot([r["latency_ms"] for r in rows], [r["tpot_ms_p50"] for r in rows], marker="o", label=system)
+    axes[0][3].set(title="drafter link latency (one way)", ylabel="output tokens/s")
+    axes[1][3].set(xlabel="ms", ylabel="TPOT p50 (ms)")
+    axes[0][3].legend(fontsize=8)
     axes[0][2].set(title="drafter link speed", ylabel="output tokens/s", xscale="log")
     axes[1][2].set(xlabel="Mbps", ylabel="TPOT p50 (ms)", xscale="log")
     for ax in axes.flat:
@@ -243,4 +257,7 @@ def format_report(doc: dict) -> str:
         lines += ["", "drafter link speed:"] + [
             f"  {r['mbps']:>7} Mbps {r['system']:>18}: {r['tokens_per_s']:.1f} tok/s, TPOT p50 {r['tpot_ms_p50']:.2f} ms"
             for r in doc["sweep"]["link_mbps"]]
+        lines += ["", "drafter link latency (one way):"] + [
+            f"  {r['latency_ms']:>7} ms {r['system']:>18}: {r['tokens_per_s']:.1f} tok/s, TPOT p50 {r['tpot_ms_p50']:.2f} ms"
+            for r in doc["sweep"].get("link_latency_ms", [])]
     return "\n".join(lines)
