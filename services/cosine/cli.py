@@ -18,6 +18,7 @@ EPILOG = """examples:
   cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
   cosine bench compare --quick       CoSine against transformers baselines and its own switches, same run (about 6 min)
+  cosine plan --validate --quick      the simulator against the local cluster at concurrency 1, 4, 8 (a few minutes)
   cosine bench faults                 drafters SIGKILLed mid-stream, every drafter dead, 48 streams at once: a table
 """
 
@@ -211,6 +212,12 @@ def _bench(args) -> int:
     return module.main(args.args) or 0
 
 
+def _plan(args) -> int:
+    from cosine.plan.cli import main as plan_main
+
+    return plan_main(args.args) or 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cosine", description="CoSine: lossless speculative decoding with several drafters, as gRPC services.",
@@ -281,6 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (see --help)")
     bench.set_defaults(func=_bench)
 
+    plan = sub.add_parser("plan", help="capacity planning: simulate a deployment with the scheduler's own code (--validate, --sweep)",
+                          description="a discrete-event simulation of routers, schedulers, fusion, drafter nodes and verifiers "
+                                      "that runs the scheduler service's own policy code on a simulated clock; see "
+                                      "`cosine plan --help` for its options")
+    plan.add_argument("args", nargs=argparse.REMAINDER, help="the planner's own options (see `cosine plan --help`)")
+    plan.set_defaults(func=_plan)
+
     serve = sub.add_parser("serve", help="run one service in the foreground (as containers do)")
     serve.add_argument("service", choices=SERVICES)
     serve.add_argument("args", nargs=argparse.REMAINDER, help="the service's own options (see --help)")
@@ -289,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plan"]:  # every option is the planner's own, --help included
+        from cosine.plan.cli import main as plan_main
+
+        return plan_main(argv[1:]) or 0
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from dataclasses import asdict, dataclass, field
 
 import grpc
@@ -29,7 +28,7 @@ from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter
 from cosine.scheduler.batching import BatchLimits
 from cosine.scheduler.speculation import RequestSpeculation, SpeculationController, SpeculationGate
-from cosine.scheduler.steploop import Draft, Emission, Request, RoundOrder, RoundRecord, StepLoop, Verdict
+from cosine.scheduler.steploop import Clock, Draft, Emission, MonotonicClock, Request, RoundOrder, RoundRecord, StepLoop, Verdict
 from cosine.scheduler.switches import Switches
 from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
@@ -190,7 +189,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         config: SchedulerConfig,
         metrics: SchedulerMetrics,
         tracing: Tracing | None = None,
+        clock: Clock | None = None,
     ):
+        self.clock = clock or MonotonicClock()  # the step loop's and the controller's (`cosine plan` runs a simulated one)
         self.store = store
         self.verifier = verifier
         self.fusion = fusion
@@ -201,16 +202,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         metrics.live.set_function(lambda: len(self.live))
         sw = config.switches
         self.costs = CostModel()
-        self.load = LoadMeter(time.monotonic())
+        self.load = LoadMeter(self.clock.now())
         self.controller = SpeculationController(
             max_depth=config.max_depth, max_drafters=max(1, config.routing_max_k),
             depth_cap=min(config.default_depth, config.max_depth), drafters=max(1, min(config.routing_k, config.routing_max_k)),
             queue_high=max(1, config.verifier_queue_high), adaptive=sw.adaptive_depth)
-        self._controlled_at = time.monotonic()
+        self._controlled_at = self.clock.now()
         metrics.depth_cap.set_function(lambda: self.controller.depth_cap)
         metrics.drafters_cap.set_function(lambda: self.controller.drafters)
         self.loop = StepLoop(self, BatchLimits(max_tokens=max(2, config.step_max_tokens), max_requests=max(1, config.step_max_requests)),
-                             max_depth=config.max_depth, on_step=self._on_step)
+                             clock=self.clock, max_depth=config.max_depth, on_step=self._on_step)
         self.gate = SpeculationGate(window_s=config.gate_window_s) if config.gate_window_s > 0 else None
         metrics.gate.set_function(lambda: 1 if self.gate is None or self.gate.speculating else 0)
         self._steps_call = None  # the VerifySteps stream, opened with the first step
@@ -338,11 +339,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return d, drafters, budget
 
     def _gate_open(self) -> bool:
-        return self.gate is None or self.gate.speculate(self.loop.clock.now(), self.loop.live)
+        return self.gate is None or self.gate.speculate(self.clock.now(), self.loop.live)
 
     def _control(self) -> None:
         """Move the global caps from the verifier's load, at most every control_interval_s."""
-        now = time.monotonic()
+        now = self.clock.now()
         if now - self._controlled_at >= self.config.control_interval_s:
             self._controlled_at = now
             idle, queue = self.load.read(now)
@@ -411,7 +412,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs)))
             self.tracing.carrier(span, entry.round.trace_context)
             entries.append(entry)
-        now = time.monotonic()
+        now = self.clock.now()
         for _ in rounds:
             self.load.enter(now)
         try:
@@ -419,7 +420,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # noqa: BLE001 - every round of the step fails with it
             return [exc] * len(rounds)
         finally:
-            now = time.monotonic()
+            now = self.clock.now()
             for span in spans:
                 span.end()
             for _ in rounds:
