@@ -79,7 +79,9 @@ class GrpcService:
     """A running service: start it, mark it ready, stop it gracefully.
 
     `register(server)` adds the servicers and returns their full service names
-    (for reflection and health). `on_stop` runs after the server stopped.
+    (for reflection and health). `on_stop` runs after the server stopped; `on_drain`
+    (when given) runs on stop after readiness went NOT_SERVING and before the server
+    stops taking calls (a scheduler hands its requests over there).
     """
 
     def __init__(
@@ -88,6 +90,7 @@ class GrpcService:
         settings: ServiceSettings,
         register: Callable[[grpc.aio.Server], Iterable[str]],
         on_stop: Callable[[], Awaitable[None]] | None = None,
+        on_drain: Callable[[], Awaitable[None]] | None = None,
     ):
         self.name = name
         self.settings = settings
@@ -97,6 +100,7 @@ class GrpcService:
         self.metrics.in_flight.labels(name).set_function(lambda: self._interceptor.in_flight)
         self._register = register
         self._on_stop = on_stop
+        self._on_drain = on_drain
         self.server: grpc.aio.Server | None = None
         self.servicer: object | None = None  # the main servicer, for introspection in tests
         self.health = health.aio.HealthServicer()
@@ -194,6 +198,11 @@ class GrpcService:
         if self.settings.shutdown_delay_s:
             await asyncio.sleep(self.settings.shutdown_delay_s)
         log.info("%s draining %d in-flight calls (up to %.1fs)", self.name, self.in_flight, self.settings.drain_timeout_s)
+        if self._on_drain is not None:
+            try:
+                await asyncio.wait_for(self._on_drain(), self.settings.drain_timeout_s)
+            except Exception:  # noqa: BLE001 - what is left is cut by the server's grace below
+                log.warning("%s: drain hook did not finish", self.name, exc_info=True)
         await self.server.stop(grace=self.settings.drain_timeout_s)
         if self._health_server is not None:
             await self._health_server.stop(grace=None)

@@ -46,6 +46,15 @@ class SchedulerSettings(ServiceSettings):
     verifier_queue_high: int = Field(4, ge=1, description="requests waiting on the verifier at which speculation shrinks")
     step_max_requests: int = Field(16, ge=1, description="most requests the step loop verifies in one step")
     step_max_tokens: int = Field(256, ge=2, description="most positions the step loop verifies in one step (Σ 1 + tree nodes)")
+    max_requests: int = Field(0, ge=0, description=(
+        "admission: most requests in progress; the excess gets RESOURCE_EXHAUSTED at once (0: the verifier's KV slots, "
+        "as its Info reports them)"))
+    lease_s: float = Field(5.0, gt=0, description=(
+        "how long a request stays claimed in Redis without word from its scheduler (renewed a third of this apart); "
+        "after it runs out, the request's id may be used again at once"))
+    handover_after_s: float | None = Field(None, ge=0, description=(
+        "on SIGTERM, how long live requests may finish before they are handed over to another scheduler through "
+        "Redis (unset: drain_timeout_s minus 3 s)"))
 
     @field_validator("switches")
     @classmethod
@@ -82,7 +91,7 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
     fusion = fusion_pb2_grpc.FusionStub(fusion_channel)
     client = connect(settings.redis_url, settings.redis_timeout_s)
     await client.ping()
-    store = RequestStore(client, settings.state_ttl_s, settings.finished_ttl_s)
+    store = RequestStore(client, settings.state_ttl_s, settings.finished_ttl_s, settings.lease_s)
 
     def register(server):
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -94,7 +103,13 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
         await fusion_channel.close()
         await client.aclose()
 
-    service = GrpcService("scheduler", settings, register, on_stop)
+    handover_after_s = (settings.handover_after_s if settings.handover_after_s is not None
+                        else max(0.0, settings.drain_timeout_s - 3.0))
+
+    async def on_drain():
+        await servicer.drain(handover_after_s)
+
+    service = GrpcService("scheduler", settings, register, on_stop, on_drain)
     config = SchedulerConfig(settings.default_depth, settings.max_depth, switches=settings.parsed_switches(),
                              routing_k=settings.routing_k, routing_max_k=max(settings.routing_k, settings.routing_max_k),
                              routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high,
@@ -104,8 +119,9 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
     await service.start()
     target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)
     config.max_context = target.max_context
-    log.info("target %s (vocab %d, context %d); drafters %s; switches %s", target.name, target.vocab_size, target.max_context,
-             [d.name for d in drafters], config.switches)
+    servicer.max_requests = settings.max_requests or target.max_slots
+    log.info("target %s (vocab %d, context %d); drafters %s; switches %s; admits %s requests", target.name, target.vocab_size,
+             target.max_context, [d.name for d in drafters], config.switches, servicer.max_requests or "any number of")
     await service.set_ready()
     service.watch_readiness("Redis", store.reachable, settings.redis_check_interval_s)
     return service

@@ -110,6 +110,18 @@ def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Sw
     return server.replace(**changes) if changes else server
 
 
+def restore_plan(plan: "RequestPlan", policy_state: dict | None) -> None:
+    """A resumed request continues from what it learnt (the last commit's policy state in Redis)."""
+    if not policy_state:
+        return
+    routing = policy_state.get("routing")
+    if plan.router is not None and routing and {ev["name"] for ev in routing.get("evidence", [])} == set(plan.router.evidence):
+        plan.router = ExpertiseRouter.from_dict(routing)
+    speculation = policy_state.get("speculation")
+    if plan.depth is not None and speculation:
+        plan.depth = DepthChooser(RequestSpeculation(**speculation))
+
+
 @dataclass
 class RequestPlan:
     """How one request speculates: its switches, the drafters fusion may use, and the per-request policies."""
@@ -146,6 +158,9 @@ class LiveRequest:
     queue: asyncio.Queue  # Emissions for the Submit stream
     submit_context: dict  # the Submit span's trace context: the parent of each round's span
     stream: int = -1  # generation of the VerifySteps stream the verifier opened it on
+    epoch: int = 0  # the owner fence in Redis (cosine.common.state)
+    resumed: bool = False  # taken over from Redis (another scheduler's, or this one's, broken stream)
+    sent: int = 0  # output tokens sent on the Submit stream so far (the next one's index)
     fusion_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _round: object = None
 
@@ -159,6 +174,15 @@ class LiveRequest:
         if self._round is not None:
             self._round.end()
             self._round = None
+
+
+class Handover(Exception):
+    """The request leaves this scheduler with everything committed in Redis: its caller resumes it elsewhere."""
+
+
+class TakenOver(ServiceError):
+    def __init__(self, request_id: str):
+        super().__init__(grpc.StatusCode.ABORTED, f"request {request_id} was taken over by another scheduler (resumed)")
 
 
 def _entry_error(error: verifier_pb2.VerifyEntryError) -> ServiceError:
@@ -193,8 +217,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.config = config
         self.metrics = metrics
         self.tracing = tracing or Tracing("scheduler")
-        self.live: set[str] = set()
+        self.live: dict[str, object] = {}  # request id → its LiveRequest (a placeholder while it starts)
         metrics.live.set_function(lambda: len(self.live))
+        self.max_requests = 0  # admission: most live requests (the verifier's KV slots); 0: no limit
+        self.draining = False  # SIGTERM: new requests are refused, live ones finish or are handed over
+        self._heartbeat: asyncio.Task | None = None
         sw = config.switches
         self.costs = CostModel()
         self.load = LoadMeter(time.monotonic())
@@ -249,45 +276,107 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the target's context "
                 f"limit of {self.config.max_context} tokens: shorten the prompt or ask for fewer tokens"
             )
+        if self.draining:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "this scheduler is shutting down; retry (another replica takes the request)")
+        if rid in self.live:
+            if not request.resume:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
+            self._evict(rid, TakenOver(rid))  # this scheduler's own earlier stream of it broke: the resume replaces it
+        elif self.max_requests and len(self.live) >= self.max_requests:  # admission: what the verifier's KV slots hold
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the server is at capacity ({self.max_requests} requests in progress); retry later, with backoff")
+        mine = [object()]  # this Submit's entry in self.live (its LiveRequest once it runs)
+        self.live[rid] = mine[0]  # counted at once, so concurrent Submits cannot all pass the check
+        try:
+            async for reply in self._run(request, context, mine):
+                yield reply
+        finally:
+            if self.live.get(rid) is mine[0]:
+                del self.live[rid]
+
+    async def _run(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext, mine: list):
+        rid = request.request_id
         plan = self.plan(request)
         drafters = plan.pool
-        sampling = request.sampling
-        created = await self.store.create(
-            rid,
-            prompt,
-            {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
-             "top_k": sampling.top_k, "seed": sampling.seed},
-            {"max_new_tokens": request.max_new_tokens, "drafters": drafters, "depth": plan.fixed_depth,
-             "stop_token_ids": list(request.stop_token_ids)},
-        )
-        if not created:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
-        self.live.add(rid)
+        state = await self.store.take_over(rid) if request.resume else None
+        if state is not None and state.status == "finished":  # it ended before its caller heard: send the rest
+            tokens = state.token_ids[request.resume_from:]
+            if tokens:
+                yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
+                    token_ids=tokens, start_index=request.resume_from))
+            stats = common_pb2.Stats(rounds=state.rounds, drafted_tokens=state.drafted, accepted_tokens=state.accepted)
+            yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
+                finish_reason=common_pb2.FinishReason.Value(state.finish_reason or "FINISH_REASON_LENGTH"), stats=stats))
+            return
+        if state is None:  # a new request (or one whose state never reached Redis): from this message
+            prompt, generated = list(request.prompt_token_ids), []
+            sampling = request.sampling
+            max_new, stop = request.max_new_tokens, list(request.stop_token_ids)
+            epoch = await self.store.create(
+                rid, prompt,
+                {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
+                 "top_k": sampling.top_k, "seed": sampling.seed},
+                {"max_new_tokens": max_new, "drafters": drafters, "depth": plan.fixed_depth, "stop_token_ids": stop},
+            )
+            if not epoch:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
+        else:  # taken over: Redis is the source of truth (tokens, the seed, limits, what routing and depth learnt)
+            prompt, generated, epoch = state.prompt_token_ids, state.token_ids, state.epoch
+            sp = state.sampling
+            sampling = common_pb2.SamplingParams(temperature=sp.get("temperature", 0.0), top_p=sp.get("top_p", 1.0),
+                                                 top_k=sp.get("top_k", 0), seed=sp.get("seed", 0))
+            max_new = int(state.params.get("max_new_tokens", request.max_new_tokens))
+            stop = list(state.params.get("stop_token_ids", request.stop_token_ids))
+            restore_plan(plan, state.policy)
         status, reason = "failed", ""
         timeout = context.time_remaining()
         metadata = self.tracing.metadata()  # the streams' server spans are children of this Submit
         spec_call = self.fusion.Speculate(timeout=timeout, metadata=metadata) if plan.speculate else None
-        live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier())
+        live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier(), epoch=epoch,
+                           resumed=state is not None, sent=request.resume_from if state is not None else 0)
+        if self.live.get(rid) is mine[0]:
+            self.live[rid] = mine[0] = live
+        self._ensure_heartbeat()
         try:
+            if state is not None and live.sent < len(generated):  # committed, but its caller never got them
+                yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
+                    token_ids=generated[live.sent:], start_index=live.sent))
+                live.sent = len(generated)
             if spec_call is not None:
+                score = plan.router is not None and not (state is not None and state.policy and "routing" in state.policy)
                 opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
-                    request_id=rid, prompt_token_ids=prompt, drafters=drafters, fusion=FUSION_MODES[plan.switches.fusion],
-                    score_prompt=plan.router is not None))
-                if plan.router is None:
+                    request_id=rid, prompt_token_ids=prompt + generated, drafters=drafters,
+                    fusion=FUSION_MODES[plan.switches.fusion], score_prompt=score))
+                if not score:
                     await spec_call.write(opening)
                 else:  # routing's prior: every candidate prefills the prompt and says how well it predicted it
                     with self.tracing.span("scheduler.score_prompt", {"cosine.drafters": len(drafters)}):
                         scored = await exchange(spec_call, opening, "fusion")
                     self._prior(plan.router, scored.prompt_fits)
-            entry = Request(rid, len(prompt), request.max_new_tokens, self.config.max_context,
-                            frozenset(request.stop_token_ids), payload=live)
+            entry = Request(rid, len(prompt), max_new, self.config.max_context, frozenset(stop), payload=live)
+            if state is not None:
+                entry.generated, entry.step = list(generated), state.step
+                entry.rounds, entry.drafted, entry.accepted = state.rounds, state.drafted, state.accepted
+            finish = self._ended(entry, generated) if state is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:  # its last round was committed before its owner died
+                status, reason = "finished", common_pb2.FinishReason.Name(finish)
+                yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
+                    finish_reason=finish, stats=common_pb2.Stats(rounds=entry.rounds, drafted_tokens=entry.drafted,
+                                                                 accepted_tokens=entry.accepted)))
+                return
             self.loop.add(entry)
-            while True:  # the step loop emits this request's rounds into its queue
-                emission: Emission = await live.queue.get()
+            while True:
+                emission: Emission = await live.queue.get()  # the step loop emits this request's rounds into its queue
+                if isinstance(emission.error, Handover):
+                    status = "handed_over"
+                    yield scheduler_pb2.SubmitResponse(request_id=rid, handover=scheduler_pb2.Handover(reason=str(emission.error)))
+                    return
                 if emission.error is not None:
                     raise emission.error
                 yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
-                    token_ids=emission.token_ids, drafted_tokens=emission.drafted, accepted_tokens=emission.accepted))
+                    token_ids=emission.token_ids, drafted_tokens=emission.drafted, accepted_tokens=emission.accepted,
+                    start_index=live.sent))
+                live.sent += len(emission.token_ids)
                 if emission.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     status, reason = "finished", common_pb2.FinishReason.Name(emission.finish_reason)
                     stats = common_pb2.Stats(rounds=entry.rounds, drafted_tokens=entry.drafted, accepted_tokens=entry.accepted,
@@ -298,15 +387,83 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away: cancelled, or closed while we waited at a yield
             status = "cancelled"
             raise
+        except TakenOver:
+            status = "taken_over"
+            raise
         finally:
-            self.loop.cancel(rid)
+            if self.loop.requests.get(rid) is not None and self.loop.requests[rid].payload is live:
+                self.loop.cancel(rid)
             live.end_round()
             close_quietly(spec_call)
-            self.live.discard(rid)
+            if status not in ("handed_over", "taken_over"):  # the request's next owner writes its state from now on
+                try:
+                    await asyncio.shield(self.store.finish(rid, status, reason, epoch=live.epoch))
+                except Exception:  # noqa: BLE001 - the TTL set at creation still bounds the state
+                    log.warning("could not mark request %s %s in Redis", rid, status, exc_info=True)
+
+    @staticmethod
+    def _ended(entry: Request, generated: list[int]) -> int:
+        """The finish reason of a resumed request whose committed tokens already end it (0: it goes on)."""
+        if generated and generated[-1] in entry.stop_token_ids:
+            return common_pb2.FINISH_REASON_EOS
+        if len(generated) >= entry.max_new_tokens:
+            return common_pb2.FINISH_REASON_LENGTH
+        if entry.context_used >= entry.max_context:
+            return common_pb2.FINISH_REASON_CONTEXT
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def _evict(self, rid: str, error: BaseException) -> None:
+        """End a live request here with `error` on its Submit stream (a Handover, or fenced off: TakenOver)."""
+        live = self.live.get(rid)
+        self.loop.cancel(rid)
+        if isinstance(live, LiveRequest):
+            live.queue.put_nowait(Emission(error=error))
+
+    def _ensure_heartbeat(self) -> None:
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
+
+    async def _renew_leases(self) -> None:
+        """Keep the leases of the requests this scheduler owns alive in Redis (a third of the lease apart), and end
+        the ones another scheduler took over."""
+        interval = max(0.05, self.store.lease_ms / 3000)
+        while True:
+            await asyncio.sleep(interval)
+            owned = [(rid, live.epoch) for rid, live in self.live.items() if isinstance(live, LiveRequest)]
+            if not owned:
+                continue
             try:
-                await asyncio.shield(self.store.finish(rid, status, reason))
-            except Exception:  # noqa: BLE001 - the TTL set at creation still bounds the state
-                log.warning("could not mark request %s %s in Redis", rid, status, exc_info=True)
+                kept = await self.store.renew_many(owned)
+            except Exception:  # noqa: BLE001 - Redis is down: commits fail with UNAVAILABLE meanwhile
+                log.debug("could not renew leases", exc_info=True)
+                continue
+            for (rid, epoch), ok in zip(owned, kept):
+                live = self.live.get(rid)
+                if not ok and isinstance(live, LiveRequest) and live.epoch == epoch:
+                    self._evict(rid, TakenOver(rid))
+
+    async def drain(self, handover_after_s: float) -> None:
+        """SIGTERM: refuse new requests; let live ones finish for `handover_after_s`, then hand the rest over
+        (their callers resume them elsewhere from Redis). Their verifier caches are released first, so the
+        next owner can open them at once."""
+        self.draining = True
+        deadline = time.monotonic() + handover_after_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        leaving = [(rid, live) for rid, live in self.live.items() if isinstance(live, LiveRequest)]
+        if not leaving:
+            return
+        log.info("handing %d requests over (drain)", len(leaving))
+        for rid, _ in leaving:
+            self.loop.cancel(rid)
+        waited = time.monotonic()
+        while not self.loop.quiet and time.monotonic() - waited < 2.0:  # the releases reach the verifier
+            await asyncio.sleep(0.01)
+        for rid, live in leaving:
+            live.queue.put_nowait(Emission(error=Handover("the scheduler is shutting down; resume the request elsewhere")))
+        waited = time.monotonic()
+        while self.live and time.monotonic() - waited < 2.0:  # the streams carry the handover out
+            await asyncio.sleep(0.01)
 
     def _round_plan(self, plan: RequestPlan, room: int) -> tuple[int, list[str], int]:
         """(depth, drafters, tree budget) of the next round; `room` caps the depth (length, context)."""
@@ -385,7 +542,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for request in opens:
             live: LiveRequest = request.payload
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, open=verifier_pb2.VerifyOpen(
-                request_id=request.request_id, committed_token_ids=live.prompt, sampling=live.sampling,
+                request_id=request.request_id, committed_token_ids=live.prompt + request.generated, sampling=live.sampling,
                 prompt_len=len(live.prompt))))
             live.stream = self._steps_generation
         spans = []
@@ -416,6 +573,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for request, result in zip(opens, results[:len(opens)]):
             if result.WhichOneof("kind") == "error":
                 failed_open[request.request_id] = _entry_error(result.error)
+                if request.payload.resumed and result.error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
+                    # its previous scheduler's stream still holds it at the verifier (that stream is going away)
+                    failed_open[request.request_id] = Handover("the request's previous scheduler still holds it; resume it again")
         out: list = []
         for (request, _), result in zip(rounds, results[len(opens):]):
             if request.request_id in failed_open:
@@ -444,7 +604,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                     parent=request.payload.round_span(self.tracing)) for request, tokens, _, _ in rounds]
         try:
             return await self.store.commit_many([(request.request_id, request.step, tokens, drafted, accepted,
-                                                  request.payload.plan.state()) for request, tokens, drafted, accepted in rounds])
+                                                  request.payload.plan.state(), request.payload.epoch)
+                                                 for request, tokens, drafted, accepted in rounds])
         except Exception as exc:  # noqa: BLE001 - Redis is gone: every round of the step fails with it
             return [exc] * len(rounds)
         finally:
@@ -490,6 +651,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics.step_seconds.observe(seconds)
 
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         await self.loop.close()
         close_quietly(self._steps_call)
 

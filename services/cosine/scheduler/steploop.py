@@ -250,6 +250,11 @@ class StepLoop:
     def live(self) -> int:
         return len(self.requests)
 
+    @property
+    def quiet(self) -> bool:
+        """No step in flight and no release waiting to be sent (a drain waits for this before handing over)."""
+        return self._step is None and not self._releases
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
