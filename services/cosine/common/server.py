@@ -17,6 +17,7 @@ from cosine.common.config import ServiceSettings
 from cosine.common.errors import ErrorInterceptor
 from cosine.common.metrics import ServiceMetrics
 from cosine.common.tracing import Tracing
+from cosine.common.v1 import common_pb2, common_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | No
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
-def open_channel(target: str, settings: ServiceSettings) -> grpc.aio.Channel:
+def open_channel(target: str, settings: ServiceSettings, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
     """A channel to another service: TLS verified with tls_ca_file (presenting this service's certificate) when set."""
-    options = channel_options(settings)
+    options = channel_options(settings) + list(extra_options or [])
     if not settings.tls_ca_file:
         return grpc.aio.insecure_channel(target, options=options)
     own = settings.tls_cert_file
@@ -73,6 +74,18 @@ def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
         options += [("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
                     ("grpc.max_connection_age_grace_ms", 2**31 - 1)]
     return options
+
+
+class LoadServicer(common_pb2_grpc.LoadServicer):
+    """`cosine.common.v1.Load/Report`: readiness and load in one cheap call, for callers that pick replicas."""
+
+    def __init__(self, service: "GrpcService"):
+        self.service = service
+
+    async def Report(self, request, context):
+        report = self.service.report_load()
+        report.ready = self.service.ready
+        return report
 
 
 class GrpcService:
@@ -112,6 +125,16 @@ class GrpcService:
         self._stopping = False
         self._ready = False
         self._watches: list[asyncio.Task] = []
+        # what Load/Report says besides readiness; services holding requests or a model thread set their own
+        self.report_load: Callable[[], common_pb2.LoadReport] = self._default_load
+
+    def _default_load(self) -> common_pb2.LoadReport:
+        calls = max(0, self.in_flight - 1)  # calls in flight, less this report itself
+        return common_pb2.LoadReport(live_requests=calls, queued=calls)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._stopping
 
     @property
     def in_flight(self) -> int:
@@ -124,8 +147,10 @@ class GrpcService:
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(self.settings))
         self._service_names = list(self._register(self.server))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        common_pb2_grpc.add_LoadServicer_to_server(LoadServicer(self), self.server)
         reflection.enable_server_reflection(
-            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             common_pb2.DESCRIPTOR.services_by_name["Load"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
         address = f"{self.settings.host}:{self.settings.port}"

@@ -116,6 +116,7 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
                              step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens)
     servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
+    service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live))
     await service.start()
     target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)
     config.max_context = target.max_context

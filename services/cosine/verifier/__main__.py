@@ -11,6 +11,7 @@ from pydantic import Field
 from cosine.common.config import ModelSettings
 from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
+from cosine.common.v1 import common_pb2
 from cosine.scheduler.batching import BatchLimits
 from cosine.verifier.batcher import BatchStep, VerifyBatcher
 from cosine.verifier.service import VerifierServicer
@@ -88,6 +89,8 @@ async def serve(settings: VerifierSettings) -> GrpcService:
     slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)
     slots.set_function(lambda: len(engine))
     service.servicer = servicer
+    service.report_load = lambda: common_pb2.LoadReport(live_requests=servicer.slots_taken, capacity=settings.max_slots,
+                                                        queued=worker.pending, busy_seconds=worker.busy_s)
     await service.start()
     await service.set_ready()
     if settings.wedged_after_s:
