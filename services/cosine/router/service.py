@@ -11,8 +11,9 @@ import uuid
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from cosine.common.errors import ServiceError
+from cosine.common.errors import ServiceError, broken_stream
 from cosine.common.metrics import LATENCY_BUCKETS
+from cosine.common.pool import Endpoint, EndpointPool
 from cosine.common.tracing import Tracing, set_span_attributes
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
@@ -34,6 +35,11 @@ class RouterMetrics:
         )
         self.tokens = Counter("cosine_router_output_tokens_total", "tokens streamed to clients", registry=registry)
         self.in_flight = Gauge("cosine_router_requests_in_flight", "Generate streams in progress", registry=registry)
+        self.resumes = Counter("cosine_router_resumes_total",
+                               "Submit streams resubmitted with resume, by why: the scheduler's stream broke or it handed the request over",
+                               ["reason"], registry=registry)
+        self.resume_seconds = Histogram("cosine_router_resume_seconds", "from a broken or handed-over stream to the resumed one's first reply",
+                                        buckets=LATENCY_BUCKETS, registry=registry)
 
 
 class DrafterDirectory:
@@ -60,11 +66,14 @@ class DrafterDirectory:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, tokenizer, scheduler: scheduler_pb2_grpc.SchedulerStub, drafters: DrafterDirectory,
+    def __init__(self, tokenizer, schedulers: EndpointPool, drafters: DrafterDirectory,
                  limits: policy.Limits, default_drafters: list[str], metrics: RouterMetrics, api_keys: set[str] = frozenset(),
-                 tracing: Tracing | None = None, max_streams: int = 0, default_timeout_s: float = 600.0):
+                 tracing: Tracing | None = None, max_streams: int = 0, default_timeout_s: float = 600.0,
+                 resume_window_s: float = 10.0):
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
+        self.schedulers = schedulers
+        self.resume_window_s = resume_window_s  # how long a broken stream is resumed for before the client hears of it
+        self._turn = 0
         self.drafters = drafters
         self.limits = limits
         self.default_drafters = default_drafters
@@ -76,6 +85,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.streams = 0  # admitted streams in progress
         eos = tokenizer.eos_token_id
         self.stop_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+    def _pick(self, exclude: frozenset) -> Endpoint:
+        """The scheduler for a (re)submission: the least-loaded ready one not in `exclude`; when none is ready,
+        any known one (a scheduler that is not ready answers with its own reason, say Redis being down)."""
+        try:
+            return self.schedulers.pick(exclude)
+        except ServiceError:
+            known = [e for e in self.schedulers.endpoints() if e not in exclude] or self.schedulers.endpoints()
+            if not known:
+                raise
+            self._turn += 1
+            return known[self._turn % len(known)]
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         if not self.api_keys:
@@ -156,40 +177,82 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                  "cosine.max_new_tokens": admission.max_new_tokens, "cosine.drafters": list(speculation.drafters)})
         remaining = context.time_remaining()
         timeout = self.default_timeout_s if remaining is None else remaining
-        call = self.scheduler.Submit(submit, timeout=timeout, metadata=self.tracing.metadata())
+        deadline = time.monotonic() + timeout
         text = StreamText(self.tokenizer, admission.stop)
         stats = common_pb2.Stats(drafters=list(speculation.drafters))
         completion = 0
+        received = 0  # output tokens the schedulers sent that reached the client: the index fence of a resume
         first_at = None
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
-        try:
-            async for reply in call:
-                kind = reply.WhichOneof("kind")
-                if kind == "tokens":
-                    stats.rounds += 1
-                    stats.drafted_tokens += reply.tokens.drafted_tokens
-                    stats.accepted_tokens += reply.tokens.accepted_tokens
-                    ids, delta = text.add(list(reply.tokens.token_ids))
-                    completion += len(ids)
-                    if ids:
-                        first_at = first_at or time.perf_counter()
-                        self.metrics.tokens.inc(len(ids))
-                        yield router_pb2.GenerateResponse(request_id=rid, chunk=router_pb2.Chunk(token_ids=ids, text=delta))
-                    if text.stopped:
-                        finish = common_pb2.FINISH_REASON_STOP
+        exclude: frozenset = frozenset()
+        broke_at = None  # when the current stream broke; resuming stops resume_window_s later
+        attempt = 0
+        while finish == common_pb2.FINISH_REASON_UNSPECIFIED:
+            endpoint = self._pick(exclude)
+            call = scheduler_pb2_grpc.SchedulerStub(endpoint.channel).Submit(
+                submit, timeout=max(0.001, deadline - time.monotonic()), metadata=self.tracing.metadata())
+            handover = failure = None
+            try:
+                async for reply in call:
+                    if broke_at is not None:
+                        self.metrics.resume_seconds.observe(time.monotonic() - broke_at)
+                        broke_at, attempt = None, 0
+                    kind = reply.WhichOneof("kind")
+                    if kind == "tokens":
+                        stats.rounds += 1
+                        stats.drafted_tokens += reply.tokens.drafted_tokens
+                        stats.accepted_tokens += reply.tokens.accepted_tokens
+                        start = reply.tokens.start_index
+                        if start > received:  # never happens: a scheduler sends from resume_from on
+                            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the request's output lost tokens in a failover; retry")
+                        fresh = list(reply.tokens.token_ids)[received - start:]  # the client has the ones before
+                        received += len(fresh)
+                        ids, delta = text.add(fresh)
+                        completion += len(ids)
+                        if ids:
+                            first_at = first_at or time.perf_counter()
+                            self.metrics.tokens.inc(len(ids))
+                            yield router_pb2.GenerateResponse(request_id=rid, chunk=router_pb2.Chunk(token_ids=ids, text=delta))
+                        if text.stopped:
+                            finish = common_pb2.FINISH_REASON_STOP
+                            break
+                    elif kind == "final":
+                        finish = reply.final.finish_reason
+                        stats.rounds, stats.drafted_tokens = reply.final.stats.rounds, reply.final.stats.drafted_tokens
+                        stats.accepted_tokens = reply.final.stats.accepted_tokens
+                        del stats.drafters[:]  # the drafters that drafted, as the scheduler's routing chose them
+                        stats.drafters.extend(reply.final.stats.drafters)
+                    elif kind == "handover":  # the scheduler is stopping: the request goes on elsewhere
+                        handover = reply.handover.reason
                         break
-                elif kind == "final":
-                    finish = reply.final.finish_reason
-                    del stats.drafters[:]  # the drafters that drafted, as the scheduler's routing chose them
-                    stats.drafters.extend(reply.final.stats.drafters)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                whose = f"the server's default of {self.default_timeout_s:g}s, as the client set none" if remaining is None else "the client's"
-                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"the request ran past its deadline ({whose}); set a longer deadline or ask for fewer tokens") from None
-            raise
-        finally:
-            call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    whose = f"the server's default of {self.default_timeout_s:g}s, as the client set none" if remaining is None else "the client's"
+                    raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"the request ran past its deadline ({whose}); set a longer deadline or ask for fewer tokens") from None
+                if not broken_stream(exc):
+                    raise
+                failure = exc
+            finally:
+                call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
+            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+                break
+            if handover is None and failure is None:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the stream without a result; retry")
+            # failover: resubmit with resume; the next scheduler takes the request over from Redis
+            now = time.monotonic()
+            broke_at = broke_at or now
+            if now - broke_at > self.resume_window_s or now >= deadline:
+                if failure is not None:
+                    raise failure
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request over; retry")
+            self.metrics.resumes.labels("handover" if handover is not None else "broken").inc()
+            self.schedulers.mark_down(endpoint)
+            exclude = frozenset({endpoint})
+            await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt))
+            attempt += 1
+            submit.resume, submit.resume_from = True, received
+            log.info("request %s: resuming from token %d (%s)", rid, received, "handed over" if handover is not None else "stream broke")
         if finish == common_pb2.FINISH_REASON_UNSPECIFIED:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the stream without a result; retry")
         tail = text.flush()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import grpc
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
 from cosine.common.server import GrpcService, open_channel, run_service
 from cosine.common.state import RequestStore, connect
-from cosine.common.v1 import common_pb2
+from cosine.common.v1 import common_pb2, common_pb2_grpc
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.scheduler.service import SchedulerConfig, SchedulerMetrics, SchedulerServicer
 from cosine.scheduler.switches import Switches
@@ -46,7 +47,7 @@ class SchedulerSettings(ServiceSettings):
     verifier_queue_high: int = Field(4, ge=1, description="requests waiting on the verifier at which speculation shrinks")
     step_max_requests: int = Field(16, ge=1, description="most requests the step loop verifies in one step")
     step_max_tokens: int = Field(256, ge=2, description="most positions the step loop verifies in one step (Σ 1 + tree nodes)")
-    max_requests: int = Field(0, ge=0, description=(
+    max_admitted: int = Field(0, ge=0, description=(
         "admission: most requests in progress; the excess gets RESOURCE_EXHAUSTED at once (0: the verifier's KV slots, "
         "as its Info reports them)"))
     lease_s: float = Field(5.0, gt=0, description=(
@@ -116,11 +117,19 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
                              step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens)
     servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
-    service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live))
+    service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live),
+                                                        capacity=servicer.max_requests)
     await service.start()
     target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)
     config.max_context = target.max_context
-    servicer.max_requests = settings.max_requests or target.max_slots
+    if settings.max_admitted:
+        servicer.max_requests = settings.max_admitted
+    else:  # the verifier's KV slots, as its load report gives them
+        try:
+            report = await common_pb2_grpc.LoadStub(verifier_channel).Report(common_pb2.LoadRequest(), timeout=settings.startup_timeout_s)
+            servicer.max_requests = report.capacity
+        except grpc.aio.AioRpcError as exc:  # a verifier without load reports: no admission limit here
+            log.warning("the verifier reports no capacity (%s); admitting any number of requests", exc.code().name)
     log.info("target %s (vocab %d, context %d); drafters %s; switches %s; admits %s requests", target.name, target.vocab_size,
              target.max_context, [d.name for d in drafters], config.switches, servicer.max_requests or "any number of")
     await service.set_ready()

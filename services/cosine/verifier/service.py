@@ -52,7 +52,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             vocab_size=self.engine.vocab_size,
             tokenizer_hash=self.tokenizer_hash,
             max_context=self.engine.max_context,
-            max_slots=self.max_slots,
         )
 
     def _check_open(self, message: verifier_pb2.VerifyOpen) -> tuple[list[int], Sampling]:

@@ -84,22 +84,20 @@ class DraftTree(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "kind", "vocab_size", "tokenizer_hash", "max_context", "domain", "max_slots")
+    __slots__ = ("name", "kind", "vocab_size", "tokenizer_hash", "max_context", "domain")
     NAME_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_HASH_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     DOMAIN_FIELD_NUMBER: _ClassVar[int]
-    MAX_SLOTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     kind: str
     vocab_size: int
     tokenizer_hash: str
     max_context: int
     domain: str
-    max_slots: int
-    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., domain: _Optional[str] = ..., max_slots: _Optional[int] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., max_context: _Optional[int] = ..., domain: _Optional[str] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
