@@ -51,18 +51,24 @@ class DrafterDirectory:
         self.ttl_s = ttl_s
         self._names: set[str] = set()
         self._fetched = 0.0
+        self._fetching: asyncio.Future | None = None
 
     async def names(self, must_have: list[str] = ()) -> set[str]:
         stale = time.monotonic() - self._fetched > self.ttl_s
         if stale or any(n not in self._names for n in must_have):
-            try:
-                reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5, metadata=self.tracing.metadata())
-                self._names = {d.name for d in reply.drafters}
-                self._fetched = time.monotonic()
-            except grpc.aio.AioRpcError as exc:
-                if not self._names:
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"fusion is unreachable: {exc.details()}") from exc
+            if self._fetching is None or self._fetching.done():  # one fetch at a time, however many requests wait on it
+                self._fetching = asyncio.ensure_future(self._fetch())
+            await asyncio.shield(self._fetching)
         return self._names
+
+    async def _fetch(self) -> None:
+        try:
+            reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5, metadata=self.tracing.metadata())
+            self._names = {d.name for d in reply.drafters}
+            self._fetched = time.monotonic()
+        except grpc.aio.AioRpcError as exc:
+            if not self._names:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"fusion is unreachable: {exc.details()}") from exc
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -85,6 +91,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.streams = 0  # admitted streams in progress
         eos = tokenizer.eos_token_id
         self.stop_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+    def _stream_limit(self) -> int:
+        """Most streams this router admits: --max-streams, and no more than the ready schedulers report they admit
+        (their verifiers' KV slots; 0: no limit known). The schedulers refuse the excess too (several routers)."""
+        ready = [e for e in self.schedulers.endpoints() if e.healthy and e.report is not None]
+        capacity = sum(e.report.capacity for e in ready) if ready and all(e.report.capacity for e in ready) else 0
+        limits = [n for n in (self.max_streams, capacity) if n]
+        return min(limits) if limits else 0
 
     def _pick(self, exclude: frozenset) -> Endpoint:
         """The scheduler for a (re)submission: the least-loaded ready one not in `exclude`; when none is ready,
@@ -126,10 +140,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             self._authenticate(context)
             # admission: only what the verifiers' slots hold; the excess is told at once to come back later
-            if self.max_streams and self.streams >= self.max_streams:
+            limit = self._stream_limit()
+            if limit and self.streams >= limit:
                 outcome = "rejected"
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"the server is at capacity ({self.max_streams} streams in progress); retry later, with backoff")
+                                   f"the server is at capacity ({limit} streams in progress); retry later, with backoff")
             self.streams += 1
             admitted = True
             rid = request.request_id or uuid.uuid4().hex
