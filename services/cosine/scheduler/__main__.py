@@ -1,4 +1,7 @@
-"""Start the scheduler: `python -m cosine.scheduler --verifier HOST:PORT --fusion HOST:PORT --redis-url URL`."""
+"""Start the scheduler: `python -m cosine.scheduler --verifier HOST:PORT --fusion HOST:PORT --redis-url URL`.
+
+--verifier and --fusion also take several replicas (HOST:PORT,HOST:PORT, dns:///HOST:PORT or file:PATH):
+each new request goes to the least-loaded one and stays there (`cosine.common.pool`)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import logging
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, open_channel, run_service
+from cosine.common.pool import EndpointPool, parse_targets
+from cosine.common.server import GrpcService, run_service
 from cosine.common.state import RequestStore, connect
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
@@ -24,8 +28,10 @@ class SchedulerSettings(ServiceSettings):
 
     model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_SCHEDULER_"}
 
-    verifier: str = Field("127.0.0.1:50054", description="verifier address HOST:PORT")
-    fusion: str = Field("127.0.0.1:50053", description="fusion address HOST:PORT")
+    verifier: str = Field("127.0.0.1:50054", description=(
+        "verifier replicas: HOST:PORT[,HOST:PORT...], dns:///HOST:PORT (every address, resolved again) or file:PATH "
+        "(HOST:PORT lines, read again); each request goes to the least-loaded one"))
+    fusion: str = Field("127.0.0.1:50053", description="fusion replicas, in the same forms as --verifier")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding request state")
     state_ttl_s: int = Field(3600, ge=1, description="TTL of a live request's state, refreshed on every write")
     finished_ttl_s: int = Field(600, ge=1, description="how long an ended request's state is kept")
@@ -46,6 +52,12 @@ class SchedulerSettings(ServiceSettings):
     verifier_queue_high: int = Field(4, ge=1, description="requests waiting on the verifier at which speculation shrinks")
     step_max_requests: int = Field(16, ge=1, description="most requests the step loop verifies in one step")
     step_max_tokens: int = Field(256, ge=2, description="most positions the step loop verifies in one step (Σ 1 + tree nodes)")
+
+    @field_validator("verifier", "fusion")
+    @classmethod
+    def _parse_targets(cls, value: str) -> str:
+        parse_targets(value)
+        return value
 
     @field_validator("switches")
     @classmethod
@@ -76,10 +88,10 @@ async def check_models(verifier: verifier_pb2_grpc.VerifierStub, fusion: fusion_
 
 
 async def serve(settings: SchedulerSettings) -> GrpcService:
-    verifier_channel = open_channel(settings.verifier, settings)
-    fusion_channel = open_channel(settings.fusion, settings)
-    verifier = verifier_pb2_grpc.VerifierStub(verifier_channel)
-    fusion = fusion_pb2_grpc.FusionStub(fusion_channel)
+    verifiers = EndpointPool("verifier", settings.verifier, settings)
+    fusions = EndpointPool("fusion", settings.fusion, settings)
+    await verifiers.start()
+    await fusions.start()
     client = connect(settings.redis_url, settings.redis_timeout_s)
     await client.ping()
     store = RequestStore(client, settings.state_ttl_s, settings.finished_ttl_s)
@@ -90,8 +102,8 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
 
     async def on_stop():
         await servicer.close()
-        await verifier_channel.close()
-        await fusion_channel.close()
+        await verifiers.close()
+        await fusions.close()
         await client.aclose()
 
     service = GrpcService("scheduler", settings, register, on_stop)
@@ -99,10 +111,13 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
                              routing_k=settings.routing_k, routing_max_k=max(settings.routing_k, settings.routing_max_k),
                              routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high,
                              step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens)
-    servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
+    servicer = SchedulerServicer(store, verifiers, fusions, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live))
     await service.start()
+    # one ready replica of each answers for its role (replicas run the same models)
+    verifier = verifier_pb2_grpc.VerifierStub((await verifiers.wait_ready(settings.startup_timeout_s)).channel)
+    fusion = fusion_pb2_grpc.FusionStub((await fusions.wait_ready(settings.startup_timeout_s)).channel)
     target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)
     config.max_context = target.max_context
     log.info("target %s (vocab %d, context %d); drafters %s; switches %s", target.name, target.vocab_size, target.max_context,
