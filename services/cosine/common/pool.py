@@ -131,9 +131,10 @@ class EndpointPool:
         """Every endpoint taking new requests, healthy or not, in the order they joined."""
         return list(self._endpoints.values())
 
-    def pick(self, exclude: frozenset = frozenset()) -> Endpoint:
+    def pick(self, exclude: frozenset = frozenset(), place: bool = True) -> Endpoint:
         """The least-loaded healthy endpoint not in `exclude` (endpoints or their names); ties round robin.
-        The pick counts as one more request on it until its next report."""
+        With `place` (a new request goes there) the pick counts as one more request on it until its next
+        report; without (a one-off call such as Info) it does not."""
         candidates = [e for e in self._endpoints.values() if e.healthy and e not in exclude and e.name not in exclude]
         if not candidates:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
@@ -142,7 +143,8 @@ class EndpointPool:
         index = choose([Candidate(e.load, len(e.picks)) for e in candidates], self._turn)
         self._turn += 1
         chosen = candidates[index]
-        chosen.picks.append(time.monotonic())
+        if place:
+            chosen.picks.append(time.monotonic())
         return chosen
 
     def mark_down(self, endpoint: Endpoint) -> None:
@@ -157,7 +159,7 @@ class EndpointPool:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                return self.pick()
+                return self.pick(place=False)
             except ServiceError:
                 if time.monotonic() >= deadline:
                     raise

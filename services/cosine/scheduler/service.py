@@ -4,6 +4,10 @@ The loop (`cosine.scheduler.steploop`) runs every live request's rounds as steps
 module only translates: drafts over each request's Speculate stream to fusion, a step's
 verifications as one message on one long-lived VerifySteps stream to the verifier, a
 step's commits as one Redis pipeline, and each request's rounds back to its Submit stream.
+
+Replicas: a new request is placed on the least-loaded ready verifier and fusion replica
+(`cosine.common.pool`) and stays there — its KV caches live there. Each verifier is a lane of
+the step loop with its own VerifySteps stream, so several verifiers verify at once.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from cosine.common.errors import ServiceError, invalid
 from cosine.common.metrics import LATENCY_BUCKETS
+from cosine.common.pool import Endpoint, EndpointPool
 from cosine.common.state import RequestStore
 from cosine.common.streams import close_quietly, exchange
 from cosine.common.tracing import Tracing
@@ -26,7 +31,7 @@ from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 from cosine.router.routing import ExpertiseRouter, PromptFit
 from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
-from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter
+from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter, verifier_load
 from cosine.scheduler.batching import BatchLimits
 from cosine.scheduler.speculation import RequestSpeculation, SpeculationController
 from cosine.scheduler.steploop import Draft, Emission, Request, RoundOrder, RoundRecord, StepLoop, Verdict
@@ -157,7 +162,8 @@ class LiveRequest:
     prompt: list[int]
     queue: asyncio.Queue  # Emissions for the Submit stream
     submit_context: dict  # the Submit span's trace context: the parent of each round's span
-    stream: int = -1  # generation of the VerifySteps stream the verifier opened it on
+    verifier: Endpoint | None = None  # the verifier replica the request is placed on (its lane in the step loop)
+    stream: int = -1  # generation of that verifier's VerifySteps stream the request was opened on
     epoch: int = 0  # the owner fence in Redis (cosine.common.state)
     resumed: bool = False  # taken over from Redis (another scheduler's, or this one's, broken stream)
     sent: int = 0  # output tokens sent on the Submit stream so far (the next one's index)
@@ -201,25 +207,34 @@ def tree_depth(parents) -> int:
     return max(depth, default=0)
 
 
+@dataclass
+class VerifierLane:
+    """The scheduler's VerifySteps stream to one verifier replica."""
+
+    endpoint: Endpoint
+    call: object = None  # opened with the first step
+    generation: int = 0  # bumped whenever the stream is (re)opened or breaks: requests opened on an older one are gone
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
         store: RequestStore,
-        verifier: verifier_pb2_grpc.VerifierStub,
-        fusion: fusion_pb2_grpc.FusionStub,
+        verifiers: EndpointPool,
+        fusions: EndpointPool,
         config: SchedulerConfig,
         metrics: SchedulerMetrics,
         tracing: Tracing | None = None,
     ):
         self.store = store
-        self.verifier = verifier
-        self.fusion = fusion
+        self.verifiers = verifiers
+        self.fusions = fusions
         self.config = config
         self.metrics = metrics
         self.tracing = tracing or Tracing("scheduler")
         self.live: dict[str, object] = {}  # request id → its LiveRequest (a placeholder while it starts)
         metrics.live.set_function(lambda: len(self.live))
-        self.max_requests = 0  # admission: most live requests (the verifier's KV slots); 0: no limit
+        self.max_admitted = 0  # admission: most live requests; 0: the ready verifiers' KV slots
         self.draining = False  # SIGTERM: new requests are refused, live ones finish or are handed over
         self._heartbeat: asyncio.Task | None = None
         sw = config.switches
@@ -234,8 +249,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         metrics.drafters_cap.set_function(lambda: self.controller.drafters)
         self.loop = StepLoop(self, BatchLimits(max_tokens=max(2, config.step_max_tokens), max_requests=max(1, config.step_max_requests)),
                              max_depth=config.max_depth, on_step=self._on_step)
-        self._steps_call = None  # the VerifySteps stream, opened with the first step
-        self._steps_generation = 0
+        self.lanes: dict[str, VerifierLane] = {}  # verifier endpoint name -> its stream
+        self._opened_on: dict[str, str] = {}  # request id -> the lane it is open on (until released)
+
+    @property
+    def max_requests(self) -> int:
+        """Admission: most live requests (0: no limit) — max_admitted, else the KV slots the ready verifiers
+        report (their load reports' capacity; unknown while any ready one reports none)."""
+        if self.max_admitted:
+            return self.max_admitted
+        ready = [e for e in self.verifiers.endpoints() if e.healthy and e.report is not None]
+        return sum(e.report.capacity for e in ready) if ready and all(e.report.capacity for e in ready) else 0
 
     def plan(self, request: scheduler_pb2.SubmitRequest) -> RequestPlan:
         """Resolve a request's switches and drafters (see the module's notes on routing)."""
@@ -308,6 +332,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
                 finish_reason=common_pb2.FinishReason.Value(state.finish_reason or "FINISH_REASON_LENGTH"), stats=stats))
             return
+        verifier = self.verifiers.pick()  # UNAVAILABLE before anything is stored when none is ready
+        fusion = self.fusions.pick() if plan.speculate else None
         if state is None:  # a new request (or one whose state never reached Redis): from this message
             prompt, generated = list(request.prompt_token_ids), []
             sampling = request.sampling
@@ -331,8 +357,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         status, reason = "failed", ""
         timeout = context.time_remaining()
         metadata = self.tracing.metadata()  # the streams' server spans are children of this Submit
-        spec_call = self.fusion.Speculate(timeout=timeout, metadata=metadata) if plan.speculate else None
-        live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier(), epoch=epoch,
+        spec_call = (fusion_pb2_grpc.FusionStub(fusion.channel).Speculate(timeout=timeout, metadata=metadata)
+                     if fusion is not None else None)
+        live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier(), verifier, epoch=epoch,
                            resumed=state is not None, sent=request.resume_from if state is not None else 0)
         if self.live.get(rid) is mine[0]:
             self.live[rid] = mine[0] = live
@@ -353,7 +380,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     with self.tracing.span("scheduler.score_prompt", {"cosine.drafters": len(drafters)}):
                         scored = await exchange(spec_call, opening, "fusion")
                     self._prior(plan.router, scored.prompt_fits)
-            entry = Request(rid, len(prompt), max_new, self.config.max_context, frozenset(stop), payload=live)
+            entry = Request(rid, len(prompt), max_new, self.config.max_context, frozenset(stop), payload=live,
+                            lane=verifier.name)
             if state is not None:
                 entry.generated, entry.step = list(generated), state.step
                 entry.rounds, entry.drafted, entry.accepted = state.rounds, state.drafted, state.accepted
@@ -487,12 +515,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return d, drafters, budget
 
     def _control(self) -> None:
-        """Move the global caps from the verifier's load, at most every control_interval_s."""
+        """Move the global caps from the verifiers' load, at most every control_interval_s: this scheduler's own
+        reading, and what the verifiers it uses report (other schedulers' requests included)."""
         now = time.monotonic()
         if now - self._controlled_at >= self.config.control_interval_s:
             self._controlled_at = now
             idle, queue = self.load.read(now)
-            self.controller.update_load(idle, queue)
+            used = {live.verifier.name for live in (r.payload for r in self.loop.requests.values()) if live.verifier}
+            endpoints = self.verifiers.endpoints() if self.verifiers is not None else []
+            reports = [(e.busy_share, e.report.queued) for e in endpoints
+                       if e.name in used and e.healthy and e.report is not None]
+            self.controller.update_load(*verifier_load(idle, queue, reports))
 
     # -- the step loop's ports (cosine.scheduler.steploop) over fusion, the verifier and Redis ------------
 
@@ -508,6 +541,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Draft the next round while this one is verified (pipelining with one request in flight), assuming this
         round's main chain is accepted whole, unless it would not hide behind the verification."""
         live: LiveRequest = request.payload
+        report = live.verifier.report if live.verifier is not None else None
+        if report is not None:  # requests of other schedulers on the same verifier count too
+            live_count = max(live_count, report.live_requests)
         if live.spec_call is None or not live.plan.switches.pipelining or live_count != 1:
             return None
         ahead_depth = min(max(order.depth, 1), room) + 1  # the first level guesses the bonus token
@@ -533,18 +569,39 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         tree = DraftTree(list(reply.tree.token_ids), list(reply.tree.parents), list(reply.tree.probs))
         return Draft(tree, list(order.drafters), reply.draft_ms / 1000, reply)
 
+    def _lane_of(self, rounds, opens, releases) -> VerifierLane | None:
+        """The verifier of a step: the step loop forms every step from one lane's requests."""
+        if rounds or opens:
+            endpoint = (rounds[0][0] if rounds else opens[0]).payload.verifier
+        else:
+            name = next((self._opened_on[rid] for rid in releases if rid in self._opened_on), None)
+            lane = self.lanes.get(name) if name is not None else None
+            return lane
+        lane = self.lanes.get(endpoint.name)
+        if lane is None:
+            lane = self.lanes[endpoint.name] = VerifierLane(endpoint)
+        return lane
+
     async def verify(self, rounds, opens, releases) -> list:
-        """One step on the long-lived VerifySteps stream: releases, opens, then every round in one message."""
-        if self._steps_call is None or self._steps_call.done():  # (re)open: requests opened on an old stream are gone
-            self._steps_generation += 1
-            self._steps_call = self.verifier.VerifySteps()
+        """One step on the lane's long-lived VerifySteps stream: releases, opens, then every round in one message."""
+        lane = self._lane_of(rounds, opens, releases)
+        for rid in releases:
+            self._opened_on.pop(rid, None)
+        if lane is None:
+            return [ServiceError(grpc.StatusCode.INTERNAL, "a step without a verifier")] * len(rounds)
+        if not rounds and not opens and (lane.call is None or lane.call.done()):
+            return []  # releases only, and the stream they were open on is gone: nothing holds them any more
+        if lane.call is None or lane.call.done():  # (re)open: requests opened on an old stream are gone
+            lane.generation += 1
+            lane.call = verifier_pb2_grpc.VerifierStub(lane.endpoint.channel).VerifySteps()
         entries = [verifier_pb2.VerifyEntry(request_id=rid, release=verifier_pb2.VerifyRelease()) for rid in releases]
         for request in opens:
             live: LiveRequest = request.payload
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, open=verifier_pb2.VerifyOpen(
                 request_id=request.request_id, committed_token_ids=live.prompt + request.generated, sampling=live.sampling,
                 prompt_len=len(live.prompt))))
-            live.stream = self._steps_generation
+            live.stream = lane.generation
+            self._opened_on[request.request_id] = lane.endpoint.name
         spans = []
         for request, tree in rounds:
             live = request.payload
@@ -559,7 +616,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for _ in rounds:
             self.load.enter(now)
         try:
-            reply = await self._step(verifier_pb2.VerifyStep(entries=entries))
+            reply = await self._step(lane, verifier_pb2.VerifyStep(entries=entries))
         except Exception as exc:  # noqa: BLE001 - every round of the step fails with it
             return [exc] * len(rounds)
         finally:
@@ -580,7 +637,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for (request, _), result in zip(rounds, results[len(opens):]):
             if request.request_id in failed_open:
                 out.append(failed_open[request.request_id])
-            elif request.payload.stream != self._steps_generation:
+            elif request.payload.stream != lane.generation:
                 out.append(ServiceError(grpc.StatusCode.UNAVAILABLE, "the verifier restarted while the request ran: retry it"))
             elif result.WhichOneof("kind") == "error":
                 out.append(_entry_error(result.error))
@@ -590,13 +647,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         out += [ServiceError(grpc.StatusCode.INTERNAL, "the verifier answered fewer rounds than it was sent")] * (len(rounds) - len(out))
         return out
 
-    async def _step(self, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
+    async def _step(self, lane: VerifierLane, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
         try:
-            return await exchange(self._steps_call, message, "verifier")
-        except BaseException:
-            close_quietly(self._steps_call)  # the verifier frees what the stream held; requests on it fail
-            self._steps_call = None
-            self._steps_generation += 1
+            return await exchange(lane.call, message, "verifier")
+        except BaseException as exc:
+            close_quietly(lane.call)  # the verifier frees what the stream held; requests on it fail
+            lane.call = None
+            lane.generation += 1
+            if not isinstance(exc, asyncio.CancelledError):
+                self.verifiers.mark_down(lane.endpoint)  # no new requests there until its health check passes
             raise
 
     async def commit(self, rounds) -> list:
@@ -654,7 +713,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         await self.loop.close()
-        close_quietly(self._steps_call)
+        for lane in self.lanes.values():
+            close_quietly(lane.call)
 
     def _learn(self, plan: RequestPlan, reply, depth, n_drafters, chain, accepted, target_tokens, draft_s, verify_s, nodes,
                round_s) -> None:

@@ -90,7 +90,7 @@ async def serve(settings: VerifierSettings) -> GrpcService:
     slots.set_function(lambda: len(engine))
     service.servicer = servicer
     service.report_load = lambda: common_pb2.LoadReport(live_requests=servicer.slots_taken, capacity=settings.max_slots,
-                                                        queued=worker.pending, busy_seconds=worker.busy_s)
+                                                        queued=batcher.unanswered, busy_seconds=worker.busy_s)
     await service.start()
     await service.set_ready()
     if settings.wedged_after_s:
