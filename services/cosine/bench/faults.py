@@ -6,13 +6,18 @@ Scenarios (real processes, real signals):
                              OK (identical) or RESOURCE_EXHAUSTED within 100 ms
   drafters SIGKILLed         every drafter process SIGKILLed --kill-after-s into the streams
   every drafter dead         new requests after that (plain decoding needs no drafter)
+  scheduler SIGKILLed        the scheduler holding most streams SIGKILLed --kill-after-s into them: the
+                             router resumes them on another (the cluster runs --schedulers, default 3)
+  scheduler SIGTERMed        the same with SIGTERM: it drains, hands its streams over, and exits
 
 Per scenario: requests, completed, identical to the fault-free output, errors by status, the
 slowest refusal, and the added latency (median latency minus the fault-free median; with every
 drafter gone the requests decode plainly, which can be faster than speculation, so it can be
-negative). Exit status 1 when a stream was not identical, ended with a status other than
-RESOURCE_EXHAUSTED, or was refused after more than 100 ms.
-Verifier, scheduler and Redis failover are not scenarios yet: those paths do not exist yet.
+negative). The scheduler scenarios also give how many streams the fault hit (resumed by the
+router) and the p99 over streams of each one's latency minus its own prompt's fault-free latency:
+the price of a failover. Exit status 1 when a stream was not identical, ended with a status other
+than RESOURCE_EXHAUSTED, or was refused after more than 100 ms, or a scheduler fault hit no stream.
+Verifier and Redis failover are not scenarios yet.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import grpc
 
+from cosine.bench.client import metric_sum, scrape
 from cosine.bench.prompts import PROMPTS, Prompt
 from cosine.router.v1 import router_pb2, router_pb2_grpc
 
@@ -53,6 +59,8 @@ class Row:
     added_latency_s: float | None
     refusal_p50_ms: float | None = None
     refusal_p99_ms: float | None = None
+    hit: int | None = None  # streams the fault hit (the router resumed them), where it counts them
+    added_p99_s: float | None = None  # p99 over streams of latency minus the same prompt's fault-free latency
 
 
 async def one(stub, prompt: Prompt, index: int, max_new: int, timeout: float, on_first=None) -> Outcome:
@@ -81,7 +89,8 @@ def run_many(address: str, prompts: list[Prompt], indices: list[int], max_new: i
     return asyncio.run(go())
 
 
-def row(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], base_median: float | None) -> Row:
+def row(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], base_median: float | None,
+        base_seconds: dict[int, float] | None = None, hit: int | None = None) -> Row:
     ok = [o for o in outcomes if o.code == "OK"]
     errors: dict[str, int] = {}
     for o in outcomes:
@@ -92,18 +101,25 @@ def row(name: str, outcomes: list[Outcome], reference: dict[int, list[int]], bas
     refused.sort()
     def pct(q):
         return refused[min(len(refused) - 1, int(q * len(refused)))] * 1000 if refused else None
+    added_p99 = None
+    if base_seconds and ok:
+        each = sorted(o.seconds - base_seconds[o.prompt] for o in ok if o.prompt in base_seconds)
+        added_p99 = each[min(len(each) - 1, int(0.99 * len(each)))] if each else None
     return Row(name, len(outcomes), len(ok), sum(o.token_ids == reference.get(o.prompt) for o in ok), errors,
-               max(refused) * 1000 if refused else None, added, pct(0.5), pct(0.99))
+               max(refused) * 1000 if refused else None, added, pct(0.5), pct(0.99), hit, added_p99)
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'scenario':24} {'requests':>8} {'completed':>9} {'identical':>9} {'refusal p50/p99/max':>20} {'added latency':>13}  errors"]
+    lines = [f"{'scenario':24} {'requests':>8} {'completed':>9} {'identical':>9} {'refusal p50/p99/max':>20} {'added latency':>13} "
+             f"{'hit':>4} {'added p99':>9}  errors"]
     for r in rows:
         refusal = (f"{r.refusal_p50_ms:.0f}/{r.refusal_p99_ms:.0f}/{r.slowest_refusal_ms:.0f} ms"
                    if r.slowest_refusal_ms is not None else "-")
         added = f"{r.added_latency_s:+.2f} s" if r.added_latency_s is not None else "-"
         errors = ", ".join(f"{k} {v}" for k, v in sorted(r.errors.items())) or "none"
-        lines.append(f"{r.scenario:24} {r.requests:>8} {r.completed:>9} {r.identical:>9} {refusal:>20} {added:>13}  {errors}")
+        hit = "-" if r.hit is None else str(r.hit)
+        p99 = f"{r.added_p99_s:+.2f} s" if r.added_p99_s is not None else "-"
+        lines.append(f"{r.scenario:24} {r.requests:>8} {r.completed:>9} {r.identical:>9} {refusal:>20} {added:>13} {hit:>4} {p99:>9}  {errors}")
     return "\n".join(lines)
 
 
@@ -113,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", type=int, default=4, help="prompts per scenario (from the benchmark prompt set)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--concurrency", type=int, default=48, help="streams at once in the overload scenario")
-    ap.add_argument("--kill-after-s", type=float, default=1.0, help="when the drafters are SIGKILLed, after the first token")
+    ap.add_argument("--kill-after-s", type=float, default=1.0, help="when the drafters or a scheduler are signalled, after the first token")
+    ap.add_argument("--schedulers", type=int, default=3, help="scheduler replicas (the scheduler scenarios need 3: one is killed, one terminated)")
     ap.add_argument("--timeout-s", type=float, default=600)
     ap.add_argument("--json", default="", help="also write the rows here")
     args = ap.parse_args(argv)
@@ -121,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     from cosine.cluster import Cluster, ClusterSpec, free_port
 
     os.environ["COSINE_RUN_DIR"] = tempfile.mkdtemp(prefix="cosine-bench-faults-")  # never touch a cluster `cosine up` left
-    cluster = Cluster(ClusterSpec(router_port=free_port(), target=args.target, log_level="WARNING"))
+    spec = ClusterSpec(router_port=free_port(), target=args.target, log_level="WARNING")
+    if args.schedulers > 1:
+        spec.replicas = {"scheduler": args.schedulers}
+    cluster = Cluster(spec)
     print(f"starting a local cluster (logs in {os.environ['COSINE_RUN_DIR']})...", flush=True)
     cluster.start()
     prompts = PROMPTS[: max(1, min(args.prompts, len(PROMPTS)))]
@@ -160,6 +180,38 @@ def main(argv: list[str] | None = None) -> int:
         dead = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s)
         rows.append(row("every drafter dead", dead, reference, base_median))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
+
+        schedulers = [p for p in cluster.processes if p.name.startswith("scheduler")]
+        if len(schedulers) < 3:
+            print("  scheduler scenarios skipped: they need --schedulers 3", flush=True)
+        else:
+            # the reference again without drafters (they are dead now), each prompt's own latency for the added p99
+            plain = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s)
+            plain_seconds = {o.prompt: o.seconds for o in plain if o.code == "OK"}
+            router = next(p for p in cluster.processes if p.name == "router")
+            for name, sig in (("scheduler SIGKILLed", signal.SIGKILL), ("scheduler SIGTERMed", signal.SIGTERM)):
+                before = scrape(router.metrics_port)
+                victim: list = []
+
+                def signal_later(sig=sig, victim=victim):
+                    if not victim:
+                        victim.append(None)
+                        def go():
+                            time.sleep(args.kill_after_s)
+                            target = busiest([p for p in schedulers if _alive(p.pid)])
+                            victim[0] = target
+                            os.kill(target.pid, sig)
+                        import threading
+                        threading.Thread(target=go, daemon=True).start()
+
+                outcomes = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s, on_first=signal_later)
+                after = scrape(router.metrics_port)
+                hit = int(metric_sum(after, "cosine_router_resumes_total") - metric_sum(before, "cosine_router_resumes_total"))
+                rows.append(row(name, outcomes, reference, statistics.median(plain_seconds.values()) if plain_seconds else None,
+                                plain_seconds, hit))
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+                if victim and victim[0] is not None:
+                    schedulers.remove(victim[0])
     finally:
         cluster.stop()
     print()
@@ -168,8 +220,32 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)
     bad = [r for r in rows if r.identical != r.completed or set(r.errors) - {"RESOURCE_EXHAUSTED"}
-           or (r.slowest_refusal_ms or 0) > 100]
+           or (r.slowest_refusal_ms or 0) > 100 or r.hit == 0]
     return 1 if bad else 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def busiest(processes):
+    """The scheduler process holding the most live requests (its Load report); the first when none answers."""
+    from cosine.common.v1 import common_pb2, common_pb2_grpc
+
+    best, most = processes[0], -1
+    for proc in processes:
+        try:
+            with grpc.insecure_channel(proc.address) as channel:
+                live = common_pb2_grpc.LoadStub(channel).Report(common_pb2.LoadRequest(), timeout=2).live_requests
+        except grpc.RpcError:
+            continue
+        if live > most:
+            best, most = proc, live
+    return best
 
 
 if __name__ == "__main__":
