@@ -269,15 +269,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         sampling = request.sampling
         verifier = self.verifiers.pick()  # UNAVAILABLE before anything is stored when none is ready
         fusion = self.fusions.pick() if plan.speculate else None
-        created = await self.store.create(
-            rid,
-            prompt,
-            {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
-             "top_k": sampling.top_k, "seed": sampling.seed},
-            {"max_new_tokens": request.max_new_tokens, "drafters": drafters, "depth": plan.fixed_depth,
-             "stop_token_ids": list(request.stop_token_ids)},
-        )
+        try:
+            created = await self.store.create(
+                rid,
+                prompt,
+                {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
+                 "top_k": sampling.top_k, "seed": sampling.seed},
+                {"max_new_tokens": request.max_new_tokens, "drafters": drafters, "depth": plan.fixed_depth,
+                 "stop_token_ids": list(request.stop_token_ids)},
+            )
+        except BaseException:
+            self._unplace(verifier, fusion)
+            raise
         if not created:
+            self._unplace(verifier, fusion)
             raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
         self.live.add(rid)
         status, reason = "failed", ""
@@ -321,10 +326,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             live.end_round()
             close_quietly(spec_call)
             self.live.discard(rid)
+            self._unplace(verifier, fusion)
             try:
                 await asyncio.shield(self.store.finish(rid, status, reason))
             except Exception:  # noqa: BLE001 - the TTL set at creation still bounds the state
                 log.warning("could not mark request %s %s in Redis", rid, status, exc_info=True)
+
+    def _unplace(self, verifier: Endpoint, fusion: Endpoint | None) -> None:
+        """The request no longer holds its verifier and fusion replicas (their pools count it no more)."""
+        self.verifiers.release(verifier)
+        if fusion is not None:
+            self.fusions.release(fusion)
 
     def _round_plan(self, plan: RequestPlan, room: int) -> tuple[int, list[str], int]:
         """(depth, drafters, tree budget) of the next round; `room` caps the depth (length, context)."""
