@@ -108,7 +108,7 @@ def _zoo_eval(args) -> int:
 
 
 def _up(args) -> int:
-    from cosine.cluster import Cluster, ClusterSpec, stop_saved
+    from cosine.cluster import Cluster, ClusterSpec, parse_replicas, stop_saved
     from cosine.zoo import registry
 
     if not args.target and registry.find(registry.TARGET) is None:
@@ -119,6 +119,11 @@ def _up(args) -> int:
     stop_saved()  # a cluster left from an earlier --detach would hold the ports
     spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level,
                        redis_maxmemory=args.redis_maxmemory)
+    try:
+        spec.replicas = parse_replicas(args.replicas, [d.name for d in spec.drafters])
+    except ValueError as exc:
+        print(f"cosine up: {exc}", file=sys.stderr)
+        return 2
     cluster = Cluster(spec)
     started = time.monotonic()
 
@@ -246,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory limit of the Redis `up` starts (policy noeviction: when full, new requests get RESOURCE_EXHAUSTED)")
     up.add_argument("--target", default="", help="target model directory (default: the zoo's)")
     up.add_argument("--detach", action="store_true", help="return once ready; stop later with `cosine down`")
+    up.add_argument("--replicas", default="", metavar="ROLE=N,...",
+                    help="several copies of a role, e.g. verifier=2,drafter-suffix=2,scheduler=2 (roles: verifier, fusion, "
+                         "scheduler, drafter-NAME); each new request goes to the least-loaded copy and stays there")
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for every service to be SERVING")
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(func=_up)

@@ -36,6 +36,7 @@ async def until(check, timeout: float = 5.0) -> None:
 
 def test_targets_parse():
     assert parse_targets("a:1, b:2") == ("list", "a:1,b:2")
+    assert parse_targets("ipv4:127.0.0.1:1,127.0.0.1:2") == ("list", "127.0.0.1:1,127.0.0.1:2")
     assert parse_targets("dns:///verifier.ns.svc:50054") == ("dns", "verifier.ns.svc:50054")
     assert parse_targets("file:/tmp/x") == ("file", "/tmp/x")
     assert parse_targets("file:///tmp/x") == ("file", "/tmp/x")
@@ -53,9 +54,13 @@ async def test_picks_the_least_loaded_and_spreads_equal_replicas():
         assert [e.healthy for e in pool.endpoints()] == [True, True]
         assert first.name == "verifier-0" and first.report.live_requests == 5
         picks = [pool.pick() for _ in range(4)]  # b holds 1 and a 5: b takes requests until they level
-        assert picks == [second] * 4
+        assert picks == [second] * 4 and second.placed == 4
+        for endpoint in picks:
+            pool.release(endpoint)
+        assert second.placed == 0
         a.load_now = b.load_now = 2
-        await asyncio.sleep(0.35)  # reports after the picks: the placed counts are in them now
+        await asyncio.sleep(0.35)
+        assert first.load.live == second.load.live == 2
         names = [pool.pick().name for _ in range(6)]
         assert names.count("verifier-0") == names.count("verifier-1") == 3
     finally:

@@ -4,11 +4,13 @@ A ClusterIP Service and one long-lived channel tie every request to one pod; gRP
 spreads calls but knows nothing of load or of a request's KV cache. `EndpointPool` keeps one
 channel per replica and polls each replica's `cosine.common.v1.Load/Report` (readiness plus load,
 one cheap call), so the caller places each new request on the least-loaded ready replica
-(`cosine.common.picking`) and keeps the request's streams there.
+(`cosine.common.picking`) and keeps the request's streams there. The caller pairs each `pick()` with
+a `release()` when the request ends: its own requests on a replica are then counted exactly, and
+the report only adds the others' (a report lags the opens by up to a poll interval).
 
 Targets (what a service's address setting holds):
 
-* ``HOST:PORT[,HOST:PORT...]`` — a fixed list;
+* ``HOST:PORT[,HOST:PORT...]`` (or gRPC's ``ipv4:HOST:PORT,HOST:PORT``) — a fixed list;
 * ``dns:///HOST:PORT`` — every address HOST resolves to (a headless Service lists each pod),
   resolved again every ``pool_resolve_interval_s``: pods that appear are polled and join, pods
   that vanish take no new requests;
@@ -22,9 +24,8 @@ import asyncio
 import logging
 import socket
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -49,13 +50,15 @@ class Endpoint:
     healthy: bool = False
     busy_share: float = 0.0  # share of wall time its model thread was busy between the latest two reports
     down_at: float = float("-inf")  # when the caller marked it down: polls sent earlier do not re-admit it
-    picks: deque = field(default_factory=deque)  # when this caller placed requests on it, not yet in a report
+    placed: int = 0  # this caller's requests on it now (picked, not yet released)
+    others: int = 0  # requests of other callers on it, as of the latest report
     _busy: tuple[float, float] | None = None  # (when, busy_seconds) of the latest report
 
     @property
     def load(self) -> Load:
+        """Its load apart from this caller's own requests (those are `placed`)."""
         r = self.report
-        return Load() if r is None else Load(live=r.live_requests, capacity=r.capacity, queued=r.queued)
+        return Load() if r is None else Load(live=self.others, capacity=r.capacity, queued=r.queued)
 
     def __repr__(self) -> str:  # no address: reprs end up in logs and error texts
         return f"Endpoint({self.name}, healthy={self.healthy})"
@@ -81,6 +84,8 @@ def parse_targets(targets: str) -> tuple[str, str]:
         if not path:
             raise ValueError(f"{targets!r}: a file target is file:PATH")
         return "file", path
+    if targets.startswith("ipv4:"):  # gRPC's own list form (ipv4:A:1,B:2), as the local cluster gives the router
+        targets = targets[5:]
     parts = [p.strip() for p in targets.split(",")]
     if not all(parts):
         raise ValueError(f"{targets!r}: an empty entry in the address list")
@@ -133,19 +138,23 @@ class EndpointPool:
 
     def pick(self, exclude: frozenset = frozenset(), place: bool = True) -> Endpoint:
         """The least-loaded healthy endpoint not in `exclude` (endpoints or their names); ties round robin.
-        With `place` (a new request goes there) the pick counts as one more request on it until its next
-        report; without (a one-off call such as Info) it does not."""
+        With `place` (a new request goes there) it counts as one more request on it until `release()`;
+        without (a one-off call such as Info) it does not."""
         candidates = [e for e in self._endpoints.values() if e.healthy and e not in exclude and e.name not in exclude]
         if not candidates:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                f"no {self.role} replica is reachable; retry shortly (if it persists, check that the "
                                f"{self.role} is running and ready)")
-        index = choose([Candidate(e.load, len(e.picks)) for e in candidates], self._turn)
+        index = choose([Candidate(e.load, e.placed) for e in candidates], self._turn)
         self._turn += 1
         chosen = candidates[index]
         if place:
-            chosen.picks.append(time.monotonic())
+            chosen.placed += 1
         return chosen
+
+    def release(self, endpoint: Endpoint) -> None:
+        """A request placed on `endpoint` by `pick()` ended."""
+        endpoint.placed = max(0, endpoint.placed - 1)
 
     def mark_down(self, endpoint: Endpoint) -> None:
         """Take no new requests to `endpoint` until a health poll sent after now passes again."""
@@ -266,6 +275,7 @@ class EndpointPool:
 
     async def _poll(self, endpoint: Endpoint) -> None:
         sent = time.monotonic()
+        placed = endpoint.placed  # ours as the report is asked for: the rest of its count is others'
         was = endpoint.healthy
         try:
             report = await common_pb2_grpc.LoadStub(endpoint.channel).Report(
@@ -285,8 +295,7 @@ class EndpointPool:
             endpoint.busy_share = max(0.0, min(1.0, (report.busy_seconds - endpoint._busy[1]) / (now - endpoint._busy[0])))
         endpoint._busy = (now, report.busy_seconds)
         endpoint.report = report
-        while endpoint.picks and endpoint.picks[0] < sent:  # placed before the report was asked for: counted in it
-            endpoint.picks.popleft()
+        endpoint.others = max(0, report.live_requests - placed)
         if sent >= endpoint.down_at:
             endpoint.healthy = report.ready
         if endpoint.healthy != was:

@@ -90,7 +90,8 @@ async def serve(settings: DrafterSettings) -> GrpcService:
 
         m.registry.register(MemoryCollector(settings.name, drafter.memory))
     worker = ModelWorker(name, m.worker_busy_seconds.labels(name), m.worker_queue_depth.labels(name))
-    servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth, service.tracing)
+    servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth, service.tracing,
+                               opened=m.requests_opened.labels(name))
     service.servicer = servicer
     capacity = settings.max_requests if settings.kind == "lm" else 0
     service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.open_ids), capacity=capacity,

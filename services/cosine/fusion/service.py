@@ -196,6 +196,13 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             if req is not None:
                 for call in req.calls.values():
                     close_quietly(call)
+                for name in list(req.replicas):
+                    self._release(req, name)
+
+    def _release(self, req: _Request, name: str) -> None:
+        replica = req.replicas.pop(name, None)
+        if replica is not None:
+            self.drafters[name].release(replica)
 
     def _open(self, open_msg) -> _Request:
         names = list(dict.fromkeys(open_msg.drafters))
@@ -258,6 +265,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             if replica is not None and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 self.drafters[name].mark_down(replica)  # its stream broke: new requests go to its other replicas
         req.drop(name)
+        self._release(req, name)
         self.metrics.dropped.labels(name, reason).inc()
         log.warning("request %s goes on without drafter %s (%s: %s)", req.request_id, name, reason,
                     getattr(exc, "message", None) or (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__))

@@ -100,17 +100,18 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         limits = [n for n in (self.max_streams, capacity) if n]
         return min(limits) if limits else 0
 
-    def _pick(self, exclude: frozenset) -> Endpoint:
-        """The scheduler for a (re)submission: the least-loaded ready one not in `exclude`; when none is ready,
-        any known one (a scheduler that is not ready answers with its own reason, say Redis being down)."""
+    def _pick(self, exclude: frozenset) -> tuple[Endpoint, bool]:
+        """The scheduler for a (re)submission: the least-loaded ready one not in `exclude`, placed there (True:
+        release it when the call ends); when none is ready, any known one (a scheduler that is not ready answers
+        with its own reason, say Redis being down), not placed."""
         try:
-            return self.schedulers.pick(exclude)
+            return self.schedulers.pick(exclude), True
         except ServiceError:
             known = [e for e in self.schedulers.endpoints() if e not in exclude] or self.schedulers.endpoints()
             if not known:
                 raise
             self._turn += 1
-            return known[self._turn % len(known)]
+            return known[self._turn % len(known)], False
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         if not self.api_keys:
@@ -203,7 +204,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         broke_at = None  # when the current stream broke; resuming stops resume_window_s later
         attempt = 0
         while finish == common_pb2.FINISH_REASON_UNSPECIFIED:
-            endpoint = self._pick(exclude)
+            endpoint, placed = self._pick(exclude)
             call = scheduler_pb2_grpc.SchedulerStub(endpoint.channel).Submit(
                 submit, timeout=max(0.001, deadline - time.monotonic()), metadata=self.tracing.metadata())
             handover = failure = None
@@ -250,6 +251,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 failure = exc
             finally:
                 call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
+                if placed:
+                    self.schedulers.release(endpoint)
             if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
                 break
             if handover is None and failure is None:

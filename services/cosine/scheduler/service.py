@@ -338,13 +338,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             prompt, generated = list(request.prompt_token_ids), []
             sampling = request.sampling
             max_new, stop = request.max_new_tokens, list(request.stop_token_ids)
-            epoch = await self.store.create(
-                rid, prompt,
-                {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
-                 "top_k": sampling.top_k, "seed": sampling.seed},
-                {"max_new_tokens": max_new, "drafters": drafters, "depth": plan.fixed_depth, "stop_token_ids": stop},
-            )
+            try:
+                epoch = await self.store.create(
+                    rid, prompt,
+                    {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
+                     "top_k": sampling.top_k, "seed": sampling.seed},
+                    {"max_new_tokens": max_new, "drafters": drafters, "depth": plan.fixed_depth, "stop_token_ids": stop},
+                )
+            except BaseException:
+                self._unplace(verifier, fusion)
+                raise
             if not epoch:
+                self._unplace(verifier, fusion)
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
         else:  # taken over: Redis is the source of truth (tokens, the seed, limits, what routing and depth learnt)
             prompt, generated, epoch = state.prompt_token_ids, state.token_ids, state.epoch
@@ -423,6 +428,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.loop.cancel(rid)
             live.end_round()
             close_quietly(spec_call)
+            self._unplace(verifier, fusion)
             if status not in ("handed_over", "taken_over"):  # the request's next owner writes its state from now on
                 try:
                     await asyncio.shield(self.store.finish(rid, status, reason, epoch=live.epoch))
@@ -492,6 +498,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         waited = time.monotonic()
         while self.live and time.monotonic() - waited < 2.0:  # the streams carry the handover out
             await asyncio.sleep(0.01)
+
+    def _unplace(self, verifier: Endpoint, fusion: Endpoint | None) -> None:
+        """The request no longer holds its verifier and fusion replicas (their pools count it no more)."""
+        self.verifiers.release(verifier)
+        if fusion is not None:
+            self.fusions.release(fusion)
 
     def _round_plan(self, plan: RequestPlan, room: int) -> tuple[int, list[str], int]:
         """(depth, drafters, tree budget) of the next round; `room` caps the depth (length, context)."""

@@ -85,7 +85,7 @@ async def serve(settings: VerifierSettings) -> GrpcService:
                          deadline_s=settings.deadline_ms / 1000 if settings.deadline_ms else None)
     batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=on_batch, policy=settings.batch_policy, limits=limits)
     servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing,
-                                batcher)
+                                batcher, opened=m.requests_opened.labels("verifier"))
     slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)
     slots.set_function(lambda: len(engine))
     service.servicer = servicer
