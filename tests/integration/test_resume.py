@@ -82,3 +82,14 @@ async def test_a_resume_of_a_request_redis_does_not_know_starts_afresh(services,
         chunks, final = await read_all(stub.Submit(submit_request(f"fresh-{time.time_ns()}", resume=True, resume_from=3), timeout=60))
     assert joined(chunks) == greedy(PROMPT, N)  # from index 0: the caller's index fence drops what it has
     assert final is not None
+
+
+async def test_a_draining_scheduler_hands_a_new_request_back_at_once(services, submit_request):
+    servicer = services["scheduler"].servicer
+    servicer.draining = True
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{services['scheduler'].port}") as channel:
+            replies = [r async for r in scheduler_pb2_grpc.SchedulerStub(channel).Submit(submit_request(f"drain-{time.time_ns()}"), timeout=10)]
+    finally:
+        servicer.draining = False
+    assert [r.WhichOneof("kind") for r in replies] == ["handover"]  # the router resubmits it to another scheduler

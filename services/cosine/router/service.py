@@ -246,9 +246,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     whose = f"the server's default of {self.default_timeout_s:g}s, as the client set none" if remaining is None else "the client's"
                     raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                        f"the request ran past its deadline ({whose}); set a longer deadline or ask for fewer tokens") from None
-                if not broken_stream(exc):
+                if not (broken_stream(exc) or (submit.resume and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)):
                     raise
-                failure = exc
+                failure = exc  # the stream broke (or the scheduler asked to resume on is full): resume elsewhere
             finally:
                 call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
                 if placed:

@@ -300,8 +300,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the target's context "
                 f"limit of {self.config.max_context} tokens: shorten the prompt or ask for fewer tokens"
             )
-        if self.draining:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "this scheduler is shutting down; retry (another replica takes the request)")
+        if self.draining:  # its caller resubmits it elsewhere at once, as it does a handed-over request
+            yield scheduler_pb2.SubmitResponse(request_id=rid, handover=scheduler_pb2.Handover(
+                reason="this scheduler is shutting down; submit the request to another"))
+            return
         if rid in self.live:
             if not request.resume:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
