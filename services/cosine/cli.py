@@ -18,7 +18,7 @@ EPILOG = """examples:
   cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
   cosine bench compare --quick       CoSine against transformers baselines and its own switches, same run (about 6 min)
-  cosine bench faults                 drafters SIGKILLed mid-stream, every drafter dead, 48 streams at once: a table
+  cosine bench faults                 drafters or a scheduler killed mid-stream, 48 streams at once: a table
 """
 
 SERVICES = ("router", "scheduler", "fusion", "drafter", "verifier")
@@ -284,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="compare (default): CoSine with each mechanism switched off in turn against transformers "
                                        "generate(), assisted and prompt-lookup generation, side by side (table, --json, PNG plots; "
                                        "--quick: about 5 minutes); serving: the same; engine: native engine vs transformers forwards; "
-                                       "faults: fault scenarios (drafters SIGKILLed, overload) against a local cluster it starts")
+                                       "faults: fault scenarios (drafters and schedulers SIGKILLed, a scheduler SIGTERMed, overload) against a local cluster it starts")
     bench.add_argument("which", nargs="?", choices=["compare", "serving", "engine", "faults"], default="compare")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (see --help)")
     bench.set_defaults(func=_bench)
