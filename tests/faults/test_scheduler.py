@@ -133,6 +133,27 @@ async def test_scheduler_sigkilled_mid_stream_the_other_takes_over_identical(clu
     assert final.finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_EOS)
 
 
+async def test_an_unseeded_sampled_request_resumes_with_the_seed_the_router_chose(cluster):
+    import redis.asyncio as aioredis
+
+    from cosine.common.state import RequestStore
+
+    async def kill():
+        (await cluster.holder()).signal(signal.SIGKILL)
+
+    rid = f"unseeded-{time.time_ns()}"
+    sampling = {"temperature": 1.0, "top_k": 50}  # no seed: the router picks one and Redis keeps it
+    ids, _, _ = await run(cluster.router, kill, request_id=rid, sampling=sampling, speculation={"disabled": True})
+    assert resumes(cluster, "broken") >= 1
+    client = aioredis.from_url(cluster.redis_url)
+    try:
+        seed = (await RequestStore(client).load(rid)).sampling["seed"]
+    finally:
+        await client.aclose()
+    again, _, _ = await run(cluster.router, sampling={**sampling, "seed": seed}, speculation={"disabled": True})
+    assert ids == again  # the resumed stream sampled with the seed chosen before the fault
+
+
 async def test_scheduler_sigtermed_mid_stream_hands_the_request_over_identical(cluster, greedy):
     terminated = []
 
