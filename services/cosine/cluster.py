@@ -200,7 +200,7 @@ class Cluster:
             endpoints.append(f"{d.name}={where}")
         fusion = self._replicas("fusion", "cosine.fusion", "--drafters", ",".join(endpoints))
         defaults = spec.default_drafters if spec.default_drafters is not None else [d.name for d in spec.drafters if d.default]
-        scheduler = self._replicas("scheduler", "cosine.scheduler", "--verifier", verifier, "--fusion", fusion, "--redis-url", redis_url)
+        self._replicas("scheduler", "cosine.scheduler", "--verifier", verifier, "--fusion", fusion, "--redis-url", redis_url)
         # the router keeps one channel per role: a list of replicas goes to gRPC's round_robin (ipv4:A,B)
         self._service("router", "cosine.router", spec.router_port, "--scheduler", self._channel_target("scheduler"),
                       "--fusion", self._channel_target("fusion"), "--default-drafters", json.dumps(defaults), *target)
