@@ -134,7 +134,7 @@ async def test_two_replicas_each_take_a_fair_share_and_outputs_stay_the_targets(
     ports = [p["metrics_port"] for p in state["processes"] if p["metrics_port"]]
     assert len(ports) == len(set(ports))  # each replica its own metrics port
 
-    prompts = [f"{BASES[i % len(BASES)]} {i}" for i in range(48)]
+    prompts = [f"{BASES[i % len(BASES)]} {i}" for i in range(96)]
     results: dict[str, list[list[int]]] = {}
     started = time.monotonic()
     await load(cluster.router_address, prompts, results)
