@@ -111,12 +111,6 @@ def _up(args) -> int:
     from cosine.cluster import Cluster, ClusterSpec, parse_replicas, stop_saved
     from cosine.zoo import registry
 
-    if not args.target and registry.find(registry.TARGET) is None:
-        print("preparing the default models first (cosine zoo)...", file=sys.stderr)
-        from cosine.zoo.prepare import prepare_all
-
-        prepare_all()
-    stop_saved()  # a cluster left from an earlier --detach would hold the ports
     spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level,
                        redis_maxmemory=args.redis_maxmemory)
     try:
@@ -124,6 +118,12 @@ def _up(args) -> int:
     except ValueError as exc:
         print(f"cosine up: {exc}", file=sys.stderr)
         return 2
+    if not args.target and registry.find(registry.TARGET) is None:
+        print("preparing the default models first (cosine zoo)...", file=sys.stderr)
+        from cosine.zoo.prepare import prepare_all
+
+        prepare_all()
+    stop_saved()  # a cluster left from an earlier --detach would hold the ports
     cluster = Cluster(spec)
     started = time.monotonic()
 

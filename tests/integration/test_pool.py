@@ -107,9 +107,14 @@ async def test_a_replica_added_to_the_targets_file_joins_and_one_removed_leaves(
         write_targets_file(path, [f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"])
         await until(lambda: len(pool.endpoints()) == 2, timeout=3)
         assert pool.pick().name == "verifier-1"  # the new, idle one
+        held = pool.pick(exclude=frozenset({"verifier-1"}))  # a request of ours on the replica about to leave
         write_targets_file(path, [f"127.0.0.1:{b.port}"])
         await until(lambda: len(pool.endpoints()) == 1, timeout=3)
         assert pool.endpoints()[0].name == "verifier-1"
+        await asyncio.sleep(0.5)
+        assert held.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN  # its streams may go on
+        pool.release(held)
+        await until(lambda: held.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN, timeout=3)
     finally:
         await pool.close()
         await a.stop()

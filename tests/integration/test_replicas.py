@@ -62,7 +62,7 @@ def cluster(tiny_dirs, redis_server, tmp_path_factory):
     os.environ["COSINE_RUN_DIR"] = str(tmp_path_factory.mktemp("replicas-run"))
     spec = ClusterSpec(router_port=free_port(), redis_url=redis_server, target=str(tiny_dirs["target"]),
                        drafters=[DrafterSpec("tiny", "lm", str(tiny_dirs["drafter"]))], verifier_threads=1,
-                       log_level="WARNING", replicas={"verifier": 2, "drafter-tiny": 2})
+                       log_level="WARNING", replicas={"verifier": 2, "drafter-tiny": 2, "scheduler": 2, "fusion": 2})
     started = Cluster(spec)
     try:
         started.start(timeout_s=300)
@@ -75,11 +75,15 @@ def cluster(tiny_dirs, redis_server, tmp_path_factory):
             os.environ["COSINE_RUN_DIR"] = previous
 
 
-def opened(process) -> float:
-    """The replica's cosine_requests_opened_total, from its own /metrics."""
+def metric(process, name: str) -> float:
+    """A metric's value (summed over its labels) from the process's own /metrics."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{process.metrics_port}/metrics", timeout=5).read().decode()
-    found = re.search(r"^cosine_requests_opened_total\{[^}]*\} (\S+)$", text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return sum(float(v) for v in re.findall(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+
+
+def opened(process) -> float:
+    """The requests that opened a KV cache on the replica."""
+    return metric(process, "cosine_requests_opened_total")
 
 
 async def generate(channel, prompt: str) -> list[int]:
@@ -125,11 +129,12 @@ def shares(processes) -> list[float]:
 async def test_two_replicas_each_take_a_fair_share_and_outputs_stay_the_targets(cluster, reference):
     state = json.loads(state_file().read_text())
     names = [p["name"] for p in state["processes"]]
-    assert {"verifier-0", "verifier-1", "drafter-tiny-0", "drafter-tiny-1"} <= set(names)
+    assert {"verifier-0", "verifier-1", "drafter-tiny-0", "drafter-tiny-1", "scheduler-0", "scheduler-1",
+            "fusion-0", "fusion-1"} <= set(names)
     ports = [p["metrics_port"] for p in state["processes"] if p["metrics_port"]]
     assert len(ports) == len(set(ports))  # each replica its own metrics port
 
-    prompts = [f"{BASES[i % len(BASES)]} {i}" for i in range(48)]
+    prompts = [f"{BASES[i % len(BASES)]} {i}" for i in range(96)]
     results: dict[str, list[list[int]]] = {}
     started = time.monotonic()
     await load(cluster.router_address, prompts, results)
@@ -144,6 +149,9 @@ async def test_two_replicas_each_take_a_fair_share_and_outputs_stay_the_targets(
           f"{[f'{s:.0%}' for s in verifiers]}, drafter-tiny split {[f'{s:.0%}' for s in drafters]}")
     assert all(0.3 <= s <= 0.7 for s in verifiers), verifiers
     assert all(0.3 <= s <= 0.7 for s in drafters), drafters
+    # the router spreads streams over the schedulers (round_robin), the schedulers theirs over fusion (by load)
+    assert all(metric(by_name[f"scheduler-{i}"], "cosine_scheduler_rounds_total") > 0 for i in range(2))
+    assert all(metric(by_name[f"fusion-{i}"], "cosine_fusion_rounds_total") > 0 for i in range(2))
 
 
 async def test_a_replica_added_under_load_takes_new_requests_within_10s(cluster, reference):

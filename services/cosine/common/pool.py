@@ -123,7 +123,7 @@ class EndpointPool:
         self.poll_interval_s = settings.pool_poll_interval_s
         self.resolve_interval_s = settings.pool_resolve_interval_s
         self._endpoints: dict[str, Endpoint] = {}  # address -> endpoint taking new requests
-        self._retired: dict[str, Endpoint] = {}  # address -> endpoint no longer resolved (its streams may go on)
+        self._retired: dict[str, Endpoint] = {}  # address -> endpoint no longer resolved, still holding our requests
         self._count = 0
         self._turn = 0
         self._task: asyncio.Task | None = None
@@ -257,6 +257,10 @@ class EndpointPool:
                 self._endpoints[endpoint.address] = endpoint
                 log.info("%s: %s joined the pool", self.role, endpoint.name)
             self._changed.set()
+        for address, endpoint in list(self._retired.items()):
+            if endpoint.placed == 0:  # none of our requests left on it: its channel goes
+                del self._retired[address]
+                await endpoint.channel.close()
 
     def _new_endpoint(self, address: str) -> Endpoint:
         options = []

@@ -261,15 +261,19 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             reason = "full"  # alive, only busy: its health does not change
         else:
             reason = "failed"
-            replica = req.replicas.get(name)
-            if replica is not None and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
-                self.drafters[name].mark_down(replica)  # its stream broke: new requests go to its other replicas
+        replica, pool = req.replicas.get(name), self.drafters[name]
+        replica_down = (reason == "failed" and replica is not None
+                        and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN))
+        if replica_down:
+            pool.mark_down(replica)  # its stream broke: new requests go to the drafter's other replicas
         req.drop(name)
         self._release(req, name)
         self.metrics.dropped.labels(name, reason).inc()
         log.warning("request %s goes on without drafter %s (%s: %s)", req.request_id, name, reason,
                     getattr(exc, "message", None) or (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__))
-        if reason != "full" and self.health.failure(name, self.clock()):
+        # one replica gone while another is ready is not the drafter failing: new requests go to that one
+        if reason != "full" and not (replica_down and any(e.healthy for e in pool.endpoints())) \
+                and self.health.failure(name, self.clock()):
             self.metrics.skipped.labels(name).inc()
             log.warning("drafter %s failed %d times in a row: new requests skip it until it passes a health check",
                         name, self.health.config.failures_to_skip)

@@ -8,6 +8,14 @@ step's commits as one Redis pipeline, and each request's rounds back to its Subm
 Replicas: a new request is placed on the least-loaded ready verifier and fusion replica
 (`cosine.common.pool`) and stays there — its KV caches live there. Each verifier is a lane of
 the step loop with its own VerifySteps stream, so several verifiers verify at once.
+
+Verifier failover (DESIGN §5): when a verifier's stream breaks, every request open on it moves to
+another ready verifier; the rounds of the broken step are verified again there at once, after an
+open with the request's committed tokens (the new verifier rebuilds the KV cache from them), and
+the others reopen with their next round. Nothing of the broken step was committed, and the target's
+choice at each position depends only on the committed tokens and (seed, position), so the output
+is the fault-free one. A request whose verifier's stream was reopened (the same verifier, restarted)
+is reopened the same way.
 """
 
 from __future__ import annotations
@@ -77,6 +85,8 @@ class SchedulerMetrics:
                                    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=registry)
         self.step_seconds = Histogram("cosine_scheduler_step_seconds", "wall time of one verification step (send to answer)",
                                       buckets=LATENCY_BUCKETS, registry=registry)
+        self.failovers = Counter("cosine_scheduler_verifier_failovers_total",
+                                 "requests moved to another verifier after their verifier's stream broke", registry=registry)
         for position in range(16):  # exported from the start, so rates by position exist before the first accept
             self.position_drafted.labels(str(position))
             self.position_accepted.labels(str(position))
@@ -214,6 +224,7 @@ class VerifierLane:
     endpoint: Endpoint
     call: object = None  # opened with the first step
     generation: int = 0  # bumped whenever the stream is (re)opened or breaks: requests opened on an older one are gone
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one exchange at a time (a failover replays on another lane)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -430,7 +441,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.loop.cancel(rid)
             live.end_round()
             close_quietly(spec_call)
-            self._unplace(verifier, fusion)
+            self._unplace(live.verifier, fusion)  # failover may have moved it to another verifier
             if status not in ("handed_over", "taken_over"):  # the request's next owner writes its state from now on
                 try:
                     await asyncio.shield(self.store.finish(rid, status, reason, epoch=live.epoch))
@@ -596,8 +607,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             lane = self.lanes[endpoint.name] = VerifierLane(endpoint)
         return lane
 
-    async def verify(self, rounds, opens, releases) -> list:
-        """One step on the lane's long-lived VerifySteps stream: releases, opens, then every round in one message."""
+    async def verify(self, rounds, opens, releases, failovers: int = 2) -> list:
+        """One step on the lane's long-lived VerifySteps stream: releases, opens, then every round in one message.
+        A broken stream moves the lane's requests to other verifiers (`failovers` times at most; see the module)."""
         lane = self._lane_of(rounds, opens, releases)
         for rid in releases:
             self._opened_on.pop(rid, None)
@@ -608,11 +620,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if lane.call is None or lane.call.done():  # (re)open: requests opened on an old stream are gone
             lane.generation += 1
             lane.call = verifier_pb2_grpc.VerifierStub(lane.endpoint.channel).VerifySteps()
+        opening = {r.request_id for r in opens}
+        # requests opened on an older stream of this verifier (it restarted): open them again, with what they committed
+        opens = list(opens) + [r for r, _ in rounds if r.request_id not in opening and r.payload.stream != lane.generation]
         entries = [verifier_pb2.VerifyEntry(request_id=rid, release=verifier_pb2.VerifyRelease()) for rid in releases]
         for request in opens:
             live: LiveRequest = request.payload
+            committed = live.prompt + list(request.generated)
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, open=verifier_pb2.VerifyOpen(
-                request_id=request.request_id, committed_token_ids=live.prompt + request.generated, sampling=live.sampling,
+                request_id=request.request_id, committed_token_ids=committed, sampling=live.sampling,
                 prompt_len=len(live.prompt))))
             live.stream = lane.generation
             self._opened_on[request.request_id] = lane.endpoint.name
@@ -629,16 +645,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         now = time.monotonic()
         for _ in rounds:
             self.load.enter(now)
+        broken = None
         try:
             reply = await self._step(lane, verifier_pb2.VerifyStep(entries=entries))
-        except Exception as exc:  # noqa: BLE001 - every round of the step fails with it
-            return [exc] * len(rounds)
+        except Exception as exc:  # noqa: BLE001 - the stream broke: fail over, or every round of the step fails with it
+            broken = exc
         finally:
             now = time.monotonic()
             for span in spans:
                 span.end()
             for _ in rounds:
                 self.load.leave(now)
+        if broken is not None:
+            if failovers <= 0 or not rounds:
+                return [broken] * len(rounds)
+            return await self._failover(lane, rounds, broken, failovers - 1)
         results = list(reply.results)
         failed_open: dict[str, BaseException] = {}
         for request, result in zip(opens, results[:len(opens)]):
@@ -662,15 +683,55 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return out
 
     async def _step(self, lane: VerifierLane, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
+        call = lane.call
         try:
-            return await exchange(lane.call, message, "verifier")
+            async with lane.lock:
+                return await exchange(call, message, "verifier")
         except BaseException as exc:
+            if lane.call is not call:  # broken (and handled) while this step waited for the lock
+                raise
             close_quietly(lane.call)  # the verifier frees what the stream held; requests on it fail
             lane.call = None
             lane.generation += 1
             if not isinstance(exc, asyncio.CancelledError):
                 self.verifiers.mark_down(lane.endpoint)  # no new requests there until its health check passes
             raise
+
+    def _move(self, request: Request, target: Endpoint) -> None:
+        """Place a request on another verifier (picked for it): it opens there with its next step."""
+        live: LiveRequest = request.payload
+        self.verifiers.release(live.verifier)
+        live.verifier = target
+        request.lane = target.name
+        request.opened = False
+        self._opened_on.pop(request.request_id, None)
+        self.metrics.failovers.inc()
+
+    async def _failover(self, lane: VerifierLane, rounds, broken: BaseException, failovers: int) -> list:
+        """The lane's stream broke during a step: move every request open on it to other ready verifiers, verify
+        this step's rounds again there now (opening them with their committed tokens), and return their results."""
+        gone = lane.endpoint
+        in_step = {r.request_id for r, _ in rounds}
+        others = frozenset({gone})
+        try:
+            for request in list(self.loop.requests.values()):  # not in this step: they reopen with their next round
+                if request.request_id not in in_step and request.payload.verifier is gone:
+                    self._move(request, self.verifiers.pick(exclude=others))
+            groups: dict[str, list] = {}
+            for request, tree in rounds:
+                self._move(request, self.verifiers.pick(exclude=others))
+                groups.setdefault(request.lane, []).append((request, tree))
+        except ServiceError as none:  # no other verifier is ready: the step fails as the stream did
+            log.warning("verifier stream broke and no other verifier is ready: %d rounds fail", len(rounds))
+            return [none] * len(rounds)
+        log.warning("verifier stream broke (%s): %d requests of the step move to %s", type(broken).__name__, len(rounds),
+                    sorted(groups))
+        for group in groups.values():
+            for request, _ in group:
+                request.opened = True  # opened by the replay below
+        outcomes = await asyncio.gather(*(self.verify(group, [r for r, _ in group], [], failovers) for group in groups.values()))
+        results = {r.request_id: result for group, out in zip(groups.values(), outcomes) for (r, _), result in zip(group, out)}
+        return [results[r.request_id] for r, _ in rounds]
 
     async def commit(self, rounds) -> list:
         spans = [self.tracing.start("scheduler.commit", {"cosine.committed_tokens": len(tokens)},
