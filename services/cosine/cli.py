@@ -19,7 +19,7 @@ EPILOG = """examples:
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
   cosine bench compare --quick       CoSine against transformers baselines and its own switches, same run (about 6 min)
   cosine plan --validate --quick      the simulator against the local cluster at concurrency 1, 4, 8 (a few minutes)
-  cosine bench faults                 drafters SIGKILLed mid-stream, every drafter dead, 48 streams at once: a table
+  cosine bench faults                 drafters or a scheduler killed mid-stream, 48 streams at once: a table
 """
 
 SERVICES = ("router", "scheduler", "fusion", "drafter", "verifier")
@@ -109,17 +109,22 @@ def _zoo_eval(args) -> int:
 
 
 def _up(args) -> int:
-    from cosine.cluster import Cluster, ClusterSpec, stop_saved
+    from cosine.cluster import Cluster, ClusterSpec, parse_replicas, stop_saved
     from cosine.zoo import registry
 
+    spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level,
+                       redis_maxmemory=args.redis_maxmemory)
+    try:
+        spec.replicas = parse_replicas(args.replicas, [d.name for d in spec.drafters])
+    except ValueError as exc:
+        print(f"cosine up: {exc}", file=sys.stderr)
+        return 2
     if not args.target and registry.find(registry.TARGET) is None:
         print("preparing the default models first (cosine zoo)...", file=sys.stderr)
         from cosine.zoo.prepare import prepare_all
 
         prepare_all()
     stop_saved()  # a cluster left from an earlier --detach would hold the ports
-    spec = ClusterSpec(router_port=args.port, redis_url=args.redis_url, target=args.target, log_level=args.log_level,
-                       redis_maxmemory=args.redis_maxmemory)
     cluster = Cluster(spec)
     started = time.monotonic()
 
@@ -253,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="memory limit of the Redis `up` starts (policy noeviction: when full, new requests get RESOURCE_EXHAUSTED)")
     up.add_argument("--target", default="", help="target model directory (default: the zoo's)")
     up.add_argument("--detach", action="store_true", help="return once ready; stop later with `cosine down`")
+    up.add_argument("--replicas", default="", metavar="ROLE=N,...",
+                    help="several copies of a role, e.g. verifier=2,drafter-suffix=2,scheduler=2 (roles: verifier, fusion, "
+                         "scheduler, drafter-NAME); each new request goes to the least-loaded copy and stays there")
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for every service to be SERVING")
     up.add_argument("--log-level", default="INFO")
     up.set_defaults(func=_up)
@@ -283,7 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="compare (default): CoSine with each mechanism switched off in turn against transformers "
                                        "generate(), assisted and prompt-lookup generation, side by side (table, --json, PNG plots; "
                                        "--quick: about 5 minutes); serving: the same; engine: native engine vs transformers forwards; "
-                                       "faults: fault scenarios (drafters SIGKILLed, overload) against a local cluster it starts")
+                                       "faults: fault scenarios (drafters and schedulers SIGKILLed, a scheduler SIGTERMed, overload) against a local cluster it starts")
     bench.add_argument("which", nargs="?", choices=["compare", "serving", "engine", "faults"], default="compare")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own options (see --help)")
     bench.set_defaults(func=_bench)

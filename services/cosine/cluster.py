@@ -1,4 +1,10 @@
-"""The local cluster: Redis and every service as its own process on loopback (`cosine up`)."""
+"""The local cluster: Redis and every service as its own process on loopback (`cosine up`).
+
+`--replicas verifier=2,drafter-suffix=2,...` starts several copies of a role (named verifier-0,
+verifier-1, ...). Callers reach them as the chart's pods are reached: the scheduler and fusion
+through their endpoint pools (`cosine.common.pool`), given a targets file in the run folder that
+`add_replica` extends while the cluster runs; the router through gRPC's round_robin over a list.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from cosine.common.pool import write_targets_file
 from cosine.common.server import READINESS
 from cosine.zoo.registry import cache_root
 
@@ -46,6 +53,28 @@ def zoo_drafters() -> list[DrafterSpec]:
     return [DrafterSpec("suffix", "suffix")] + lms + [DrafterSpec("ngram", "ngram", default=False)]
 
 
+ROLES = ("verifier", "fusion", "scheduler")  # roles with replicas besides drafter-<name>; the router has one
+
+
+def parse_replicas(text: str, drafters: list[str] | None = None) -> dict[str, int]:
+    """'verifier=2,drafter-suffix=2' -> {"verifier": 2, "drafter-suffix": 2}; ValueError on a role
+    that does not exist (given `drafters`, the drafter names) or a count below 1."""
+    out: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        role, sep, count = item.partition("=")
+        role = role.strip()
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"replicas {item!r}: expected ROLE=N with N >= 1")
+        if role == "router":
+            raise ValueError("the router runs once (clients connect to its port); replicate the roles behind it")
+        known = role in ROLES or (role.startswith("drafter-") and (drafters is None or role[len("drafter-"):] in drafters))
+        if not known:
+            names = ", ".join([*ROLES, *(f"drafter-{d}" for d in drafters or ["NAME"])])
+            raise ValueError(f"replicas: no role {role!r} (roles: {names})")
+        out[role] = int(count)
+    return out
+
+
 @dataclass
 class ClusterSpec:
     router_port: int = 50051
@@ -59,6 +88,7 @@ class ClusterSpec:
     verifier_threads: int = 2
     drafter_threads: int = 1
     log_level: str = "INFO"
+    replicas: dict[str, int] = field(default_factory=dict)  # role ("verifier", "drafter-suffix", ...) -> copies
 
 
 @dataclass
@@ -88,6 +118,48 @@ class Cluster:
         self.processes: list[Process] = []
         self._popen: dict[int, subprocess.Popen] = {}
         self.router_address = f"127.0.0.1:{spec.router_port}"
+        self._argv: dict[str, list[str]] = {}  # role -> its service's arguments (for add_replica)
+        self._addresses: dict[str, list[str]] = {}  # role -> its replicas' addresses
+
+    def _replicas(self, role: str, module: str, *args: str) -> str:
+        """Start the role's replicas; returns the target its callers use: the address of a single one, else a
+        targets file (file:PATH) that add_replica can extend."""
+        count = self.spec.replicas.get(role, 1)
+        self._argv[role] = [module, *args]
+        self._addresses[role] = []
+        for i in range(count):
+            port = free_port()
+            self._service(role if count == 1 else f"{role}-{i}", module, port, *args)
+            self._addresses[role].append(f"127.0.0.1:{port}")
+        if count == 1:
+            return self._addresses[role][0]
+        return f"file:{self._write_targets(role)}"
+
+    def _write_targets(self, role: str) -> Path:
+        path = run_dir() / f"{role}.targets"
+        write_targets_file(path, self._addresses[role])
+        return path
+
+    def add_replica(self, role: str, timeout_s: float = 300.0) -> Process:
+        """Start one more replica of a role started with several, wait until it is ready, then add it to the
+        targets file its callers read again (they pick it up within pool_resolve_interval_s)."""
+        if role not in self._argv or self.spec.replicas.get(role, 1) < 2:
+            raise ValueError(f"{role} was not started with replicas (cosine up --replicas {role}=2)")
+        module, *args = self._argv[role]
+        port = free_port()
+        proc = self._service(f"{role}-{len(self._addresses[role])}", module, port, *args)
+        deadline = time.monotonic() + timeout_s
+        while not is_serving(proc.address):
+            popen = self._popen[proc.pid]
+            if popen.poll() is not None:
+                raise RuntimeError(f"{proc.name} exited with {popen.returncode}; its log ({proc.log}) ends:\n{tail(proc.log)}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{proc.name} not ready after {timeout_s:.0f}s")
+            time.sleep(0.2)
+        self._addresses[role].append(proc.address)
+        self._write_targets(role)
+        self.save()
+        return proc
 
     def _spawn(self, name: str, argv: list[str], address: str, metrics_port: int | None, grpc_service: bool = True) -> Process:
         run_dir().mkdir(parents=True, exist_ok=True)
@@ -117,28 +189,32 @@ class Cluster:
                                   "--maxmemory", spec.redis_maxmemory, "--maxmemory-policy", "noeviction"],
                         f"127.0.0.1:{port}", None, grpc_service=False)
             redis_url = f"redis://127.0.0.1:{port}/0"
-        ports = {n: free_port() for n in ("scheduler", "fusion", "verifier")}
+        parse_replicas(",".join(f"{k}={v}" for k, v in spec.replicas.items()), [d.name for d in spec.drafters])
         target = ["--model", spec.target] if spec.target else []
-        self._service("verifier", "cosine.verifier", ports["verifier"], "--threads", str(spec.verifier_threads), *target)
+        verifier = self._replicas("verifier", "cosine.verifier", "--threads", str(spec.verifier_threads), *target)
         endpoints = []
         for d in spec.drafters:
-            port = free_port()
             model = ["--model", d.model] if d.model else []
-            self._service(f"drafter-{d.name}", "cosine.drafter", port, "--name", d.name, "--kind", d.kind, "--domain", d.domain,
-                          "--threads", str(spec.drafter_threads), *model)
-            endpoints.append(f"{d.name}=127.0.0.1:{port}")
-        self._service("fusion", "cosine.fusion", ports["fusion"], "--drafters", ",".join(endpoints))
+            where = self._replicas(f"drafter-{d.name}", "cosine.drafter", "--name", d.name, "--kind", d.kind, "--domain", d.domain,
+                                   "--threads", str(spec.drafter_threads), *model)
+            endpoints.append(f"{d.name}={where}")
+        fusion = self._replicas("fusion", "cosine.fusion", "--drafters", ",".join(endpoints))
         defaults = spec.default_drafters if spec.default_drafters is not None else [d.name for d in spec.drafters if d.default]
-        self._service("scheduler", "cosine.scheduler", ports["scheduler"], "--verifier", f"127.0.0.1:{ports['verifier']}",
-                      "--fusion", f"127.0.0.1:{ports['fusion']}", "--redis-url", redis_url)
-        self._service("router", "cosine.router", spec.router_port, "--scheduler", f"127.0.0.1:{ports['scheduler']}",
-                      "--fusion", f"127.0.0.1:{ports['fusion']}", "--default-drafters", json.dumps(defaults), *target)
+        scheduler = self._replicas("scheduler", "cosine.scheduler", "--verifier", verifier, "--fusion", fusion, "--redis-url", redis_url)
+        # the router picks schedulers through its endpoint pool (and resumes a request on another when one fails);
+        # fusion, which it only asks for drafter names, through one channel: a list goes to gRPC's round_robin (ipv4:A,B)
+        self._service("router", "cosine.router", spec.router_port, "--scheduler", scheduler,
+                      "--fusion", self._channel_target("fusion"), "--default-drafters", json.dumps(defaults), *target)
         self.save()
         try:
             self.wait_ready(timeout_s, progress)
         except BaseException:
             self.stop()
             raise
+
+    def _channel_target(self, role: str) -> str:
+        addresses = self._addresses[role]
+        return addresses[0] if len(addresses) == 1 else "ipv4:" + ",".join(addresses)
 
     def wait_ready(self, timeout_s: float, progress=None) -> None:
         deadline = time.monotonic() + timeout_s
@@ -155,6 +231,9 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {timeout_s:.0f}s: {[p.name for p in pending]} (logs in {run_dir()})")
             time.sleep(0.2)
+        # callers learn a replica is ready from their next load poll (pool_poll_interval_s, 0.5 s): give them two,
+        # so the first requests are spread over every replica rather than the ones that happened to be ready first
+        time.sleep(1.0)
 
     def save(self) -> None:
         state = {"router": self.router_address, "processes": [asdict(p) for p in self.processes]}

@@ -23,6 +23,7 @@ from cosine.scheduler.__main__ import SchedulerSettings
 from cosine.scheduler.__main__ import serve as serve_scheduler
 from cosine.verifier.__main__ import VerifierSettings
 from cosine.verifier.__main__ import serve as serve_verifier
+from cosine.common.v1 import common_pb2_grpc
 from tests.faults.conftest import drafter_proc
 
 COMMON = {"port": 0, "drain_timeout_s": 0.5, "log_level": "WARNING"}
@@ -171,3 +172,50 @@ async def test_single_fusion_goes_on_with_the_requests_other_drafter(core, refer
     assert ids == reference
     assert dropped(core, "tiny") >= 1
     assert core.fusion.metrics.proposed.labels("ngram")._value.get() > proposed
+
+
+async def test_one_of_two_drafter_replicas_sigkilled_the_requests_go_on_and_new_ones_use_the_other(tiny_dirs, redis_server,
+                                                                                                   reference):
+    replicas = [drafter_proc("tiny", "lm", tiny_dirs["drafter"]), drafter_proc("tiny", "lm", tiny_dirs["drafter"])]
+    await asyncio.gather(*(asyncio.to_thread(d.start) for d in replicas))
+    s = {}
+    try:
+        s["verifier"] = await serve_verifier(VerifierSettings(model=str(tiny_dirs["target"]), threads=1, **COMMON))
+        s["fusion"] = await serve_fusion(FusionSettings(drafters=",".join(f"tiny={d.address}" for d in replicas),
+                                                        drafter_failures_to_skip=2, **COMMON))
+        s["scheduler"] = await serve_scheduler(SchedulerSettings(
+            verifier=f"127.0.0.1:{s['verifier'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", redis_url=redis_server,
+            startup_timeout_s=30, **COMMON))
+        s["router"] = await serve_router(RouterSettings(
+            scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", model=str(tiny_dirs["target"]),
+            default_drafters=["tiny"], **COMMON))
+        core = Core(s, {})
+        await asyncio.sleep(1)  # fusion's pool has seen both replicas ready
+        killed = []
+
+        def holding(d) -> int:
+            import grpc as sync_grpc
+            with sync_grpc.insecure_channel(d.address) as channel:
+                return common_pb2_grpc.LoadStub(channel).Report(common_pb2.LoadRequest(), timeout=2).live_requests
+
+        def kill():  # the replica holding the most of the running requests dies
+            if not killed:
+                victim = max(replicas, key=holding)
+                killed.append(victim)
+                victim.signal(signal.SIGKILL)
+
+        outs = await asyncio.gather(*(stream(core.router, on_first=kill, speculation={"drafters": ["tiny"]}) for _ in range(4)))
+        assert killed and all(ids == reference for ids, _ in outs)
+        assert dropped(core, "tiny") >= 1  # the kill hit running requests: they went on without the drafter
+        assert core.fusion.health.usable("tiny")  # its other replica is ready: the drafter is not taken out of use
+        before, proposed = dropped(core, "tiny"), core.fusion.metrics.proposed.labels("tiny")._value.get()
+        outs = await asyncio.gather(*(stream(core.router, speculation={"drafters": ["tiny"]}) for _ in range(4)))
+        assert all(ids == reference for ids, _ in outs)
+        assert dropped(core, "tiny") == before  # new requests went to the surviving replica
+        assert core.fusion.metrics.proposed.labels("tiny")._value.get() > proposed
+    finally:
+        for name in ("router", "scheduler", "fusion", "verifier"):
+            if name in s:
+                await s[name].stop()
+        for d in replicas:
+            d.kill()

@@ -1,6 +1,6 @@
-"""The verifier SIGKILLed mid-stream with no second replica: the stream ends UNAVAILABLE within 5 s, the
-tokens it got are the target's own, and the message names no internal address. (Failover to another
-replica is not built yet.)"""
+"""The verifier SIGKILLed mid-stream. With no second replica the stream ends UNAVAILABLE within 5 s, the
+tokens it got are the target's own, and the message names no internal address. With two, the scheduler
+reopens the requests on the other one and every output is the fault-free one."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from cosine.router.__main__ import RouterSettings
 from cosine.router.__main__ import serve as serve_router
 from cosine.scheduler.__main__ import SchedulerSettings
 from cosine.scheduler.__main__ import serve as serve_scheduler
+from cosine.common.v1 import common_pb2, common_pb2_grpc
 from tests.faults.conftest import Proc, assert_no_address, generate
 
 COMMON = {"port": 0, "drain_timeout_s": 0.5, "log_level": "WARNING"}
@@ -62,3 +63,66 @@ async def test_verifier_sigkilled_mid_stream_is_unavailable_within_5s(tiny_dirs,
             if name in s:
                 await s[name].stop()
         verifier.kill()
+
+
+def verifier_proc(tiny_dirs) -> Proc:
+    port = free_port()
+    return Proc(f"verifier-{port}", [sys.executable, "-m", "cosine.verifier", "--port", str(port), "--model",
+                                     str(tiny_dirs["target"]), "--threads", "1", "--log-level", "WARNING"], port)
+
+
+def holding(verifiers: list[Proc]) -> list[Proc]:
+    """The verifiers that hold a request now (their own load report)."""
+    out = []
+    for v in verifiers:
+        with grpc.insecure_channel(v.address) as channel:
+            if common_pb2_grpc.LoadStub(channel).Report(common_pb2.LoadRequest(), timeout=2).live_requests:
+                out.append(v)
+    return out
+
+
+async def test_verifier_sigkilled_mid_stream_fails_over_to_the_other_replica(tiny_dirs, redis_server, greedy):
+    import asyncio
+
+    verifiers = [verifier_proc(tiny_dirs).start(), verifier_proc(tiny_dirs).start()]
+    s = {}
+    try:
+        s["drafter"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
+        s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
+        s["scheduler"] = await serve_scheduler(SchedulerSettings(
+            verifier=",".join(v.address for v in verifiers), fusion=f"127.0.0.1:{s['fusion'].port}",
+            redis_url=redis_server, startup_timeout_s=30, **COMMON))
+        s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
+                                                        model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
+        router = f"127.0.0.1:{s['router'].port}"
+        await asyncio.sleep(1)  # the scheduler's pool has seen both ready
+        killed = []
+
+        def kill():  # on the first tokens of the first stream: the verifier holding requests now dies
+            if not killed:
+                victims = holding(verifiers)
+                assert victims, "no verifier holds the running requests"
+                killed.append(victims[0])
+                victims[0].signal(signal.SIGKILL)
+
+        prompts = [PROMPT, "The quick brown fox", "Once upon a time", "def fibonacci(n):"]
+        specs = [{"disabled": True}, {"drafters": ["ngram"]}]
+        runs = [(p, spec) for p in prompts for spec in specs]
+        results = await asyncio.gather(*(generate(router, p, 64, on_first=kill, speculation=spec) for p, spec in runs))
+        assert killed, "the kill did not happen"
+        for (prompt, spec), (ids, final, err) in zip(runs, results):
+            assert err is None, (prompt, spec, err)
+            assert ids == greedy(prompt, 64), (prompt, spec)
+        moved = s["scheduler"].metrics.registry.get_sample_value("cosine_scheduler_verifier_failovers_total")
+        assert moved and moved >= 1, "no request was moved: the kill hit no running request"
+        survivor = next(v for v in verifiers if v is not killed[0])
+        assert survivor.popen.poll() is None and killed[0].popen.poll() is not None
+        # new requests go to the survivor
+        ids, _, err = await generate(router, PROMPT, 16)
+        assert err is None and ids == greedy(PROMPT, 16)
+    finally:
+        for name in ("router", "scheduler", "fusion", "drafter"):
+            if name in s:
+                await s[name].stop()
+        for v in verifiers:
+            v.kill()

@@ -61,3 +61,41 @@ async def test_running_ids_are_unique_but_ended_ones_can_be_reused(store):
 
 async def test_keys_share_a_cluster_slot():
     assert req_key("abc").split("}")[0] == tokens_key("abc").split("}")[0] == "cosine:{abc"
+
+
+async def test_a_take_over_fences_the_old_owner(store):
+    epoch = await store.create("t1", [1, 2], {"seed": 7}, {"max_new_tokens": 8})
+    assert epoch == 1
+    step = await store.commit("t1", 0, [3], 1, 0, epoch=epoch)
+    state = await store.take_over("t1")  # the new owner: tokens, sampling (seed) and step as committed
+    assert state.epoch == 2 and state.status == "running"
+    assert state.token_ids == [3] and state.step == step and state.sampling == {"seed": 7}
+    with pytest.raises(StaleCommit):  # the old owner, still running, can no longer commit ...
+        await store.commit("t1", step, [9], 0, 0, epoch=epoch)
+    assert await store.renew_many([("t1", epoch), ("t1", state.epoch)]) == [False, True]  # ... nor renew ...
+    assert not await store.finish("t1", "failed", epoch=epoch)  # ... nor end it
+    await store.commit("t1", step, [4], 0, 0, epoch=state.epoch)
+    assert await store.finish("t1", "finished", "FINISH_REASON_LENGTH", epoch=state.epoch)
+    done = await store.load("t1")
+    assert done.token_ids == [3, 4] and done.status == "finished" and done.finish_reason == "FINISH_REASON_LENGTH"
+    assert (await store.take_over("t1")).status == "finished"  # an ended request is not taken over
+    assert (await store.load("t1")).epoch == 2
+    assert await store.take_over("nothing-here") is None
+
+
+async def test_a_running_request_whose_owner_died_can_be_created_again_at_once(redis_server):
+    client = aioredis.from_url(redis_server)
+    try:
+        store = RequestStore(client, ttl_s=100, finished_ttl_s=50, lease_s=0.3)
+        first = await store.create("t2", [1], {}, {})
+        assert first and not await store.create("t2", [1], {}, {})  # its owner's lease is alive: refused
+        assert await store.renew_many([("t2", first)]) == [True]
+        import asyncio
+        await asyncio.sleep(0.4)  # the owner died: nobody renewed the lease
+        second = await store.create("t2", [5], {}, {})
+        assert second == first + 1
+        with pytest.raises(StaleCommit):  # the old owner, if it still runs, is fenced off
+            await store.commit("t2", 0, [9], 0, 0, epoch=first)
+        assert (await store.load("t2")).prompt_token_ids == [5]
+    finally:
+        await client.aclose()

@@ -72,4 +72,6 @@ def test_internal_messages_keep_their_field_numbers():
     assert numbers(fusion_pb2.DrafterProposal) == {"drafter": 1, "token_ids": 2, "probs": 3}
     assert numbers(scheduler_pb2.SubmitRequest) == {
         "request_id": 1, "prompt_token_ids": 2, "max_new_tokens": 3, "sampling": 4, "speculation": 5, "stop_token_ids": 6,
-        "candidate_drafters": 7}
+        "candidate_drafters": 7, "resume": 8, "resume_from": 9}
+    assert numbers(scheduler_pb2.CommittedTokens) == {"token_ids": 1, "drafted_tokens": 2, "accepted_tokens": 3, "start_index": 4}
+    assert numbers(scheduler_pb2.SubmitResponse) == {"request_id": 1, "tokens": 2, "final": 3, "handover": 4}

@@ -63,8 +63,8 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 {{- toJson $cfg -}}
 {{- end -}}
 
-{{/* gRPC target of an internal role: dns:/// over its headless Service, so the caller's channel sees every ready pod
-and spreads calls over them (round_robin, cosine.common.server.channel_options). (dict "root" $ "component" "verifier" "port" 50054) */}}
+{{/* gRPC target of an internal role: dns:/// over its headless Service, so the caller sees every ready pod (the scheduler
+and fusion resolve it in cosine.common.pool and pick by load; the router's channel round-robins). (dict "root" $ "component" "verifier" "port" 50054) */}}
 {{- define "cosine.address" -}}
 {{- $r := .root -}}
 {{- printf "dns:///%s-%s.%s.svc.%s:%d" (include "cosine.fullname" $r) .component $r.Release.Namespace $r.Values.clusterDomain (int .port) -}}

@@ -24,6 +24,10 @@ class ServiceSettings(BaseSettings):
     max_connection_age_s: float = Field(0.0, ge=0, description=(
         "ask each client to reconnect (GOAWAY) after this many seconds, so long-lived channels re-resolve and spread over "
         "new replicas; open streams finish first (0: never)"))
+    pool_poll_interval_s: float = Field(0.5, gt=0, description=(
+        "how often a caller asks each replica it calls for its load and readiness (cosine.common.v1.Load)"))
+    pool_resolve_interval_s: float = Field(5.0, gt=0, description=(
+        "how often dns:/// and file: addresses are resolved again, so new replicas join and removed ones leave"))
     log_level: str = Field("INFO", description="logging level")
     tls_cert_file: str = Field("", description="PEM certificate this server presents (TLS on its port); with tls_ca_file also its client certificate")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

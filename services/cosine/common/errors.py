@@ -61,6 +61,16 @@ def sanitize(message: str) -> str:
     return _ADDRESS.sub("(a backend)", message)
 
 
+def broken_stream(exc: grpc.aio.AioRpcError) -> bool:
+    """True when a call failed in transport (the server died, its connection dropped, or it cut the call while
+    stopping) rather than with a status the server chose: such a call can be resumed elsewhere. A CoSine
+    server's own statuses never look like this: `sanitize` rewrites transport texts before they leave it."""
+    code = exc.code()
+    if code == grpc.StatusCode.CANCELLED:  # the server cancelled it (the caller's own cancel is no AioRpcError)
+        return True
+    return code == grpc.StatusCode.UNAVAILABLE and bool(_TRANSPORT.search(exc.details() or ""))
+
+
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The status and message a caller sees for exc; internals (addresses, exception text) never leak."""
     code, message = _status_of(exc)

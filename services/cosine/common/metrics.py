@@ -30,6 +30,9 @@ class ServiceMetrics:
             "cosine_worker_busy_seconds_total", "seconds the model worker thread spent running model code", ["service"], registry=self.registry)
         self.worker_queue_depth = Gauge(
             "cosine_worker_queue_depth", "model calls waiting for or running on the model worker", ["service"], registry=self.registry)
+        # model services: requests that opened a KV cache here (a replica's share of the requests)
+        self.requests_opened = Counter(
+            "cosine_requests_opened_total", "requests that opened a KV cache on this replica", ["service"], registry=self.registry)
         self.port: int | None = None
         self._server = None
 

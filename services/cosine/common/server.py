@@ -17,6 +17,7 @@ from cosine.common.config import ServiceSettings
 from cosine.common.errors import ErrorInterceptor
 from cosine.common.metrics import ServiceMetrics
 from cosine.common.tracing import Tracing
+from cosine.common.v1 import common_pb2, common_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +54,9 @@ def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | No
     return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
 
 
-def open_channel(target: str, settings: ServiceSettings) -> grpc.aio.Channel:
+def open_channel(target: str, settings: ServiceSettings, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
     """A channel to another service: TLS verified with tls_ca_file (presenting this service's certificate) when set."""
-    options = channel_options(settings)
+    options = channel_options(settings) + list(extra_options or [])
     if not settings.tls_ca_file:
         return grpc.aio.insecure_channel(target, options=options)
     own = settings.tls_cert_file
@@ -75,11 +76,25 @@ def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
     return options
 
 
+class LoadServicer(common_pb2_grpc.LoadServicer):
+    """`cosine.common.v1.Load/Report`: readiness and load in one cheap call, for callers that pick replicas."""
+
+    def __init__(self, service: "GrpcService"):
+        self.service = service
+
+    async def Report(self, request, context):
+        report = self.service.report_load()
+        report.ready = self.service.ready
+        return report
+
+
 class GrpcService:
     """A running service: start it, mark it ready, stop it gracefully.
 
     `register(server)` adds the servicers and returns their full service names
-    (for reflection and health). `on_stop` runs after the server stopped.
+    (for reflection and health). `on_stop` runs after the server stopped; `on_drain`
+    (when given) runs on stop after readiness went NOT_SERVING and before the server
+    stops taking calls (a scheduler hands its requests over there).
     """
 
     def __init__(
@@ -88,6 +103,7 @@ class GrpcService:
         settings: ServiceSettings,
         register: Callable[[grpc.aio.Server], Iterable[str]],
         on_stop: Callable[[], Awaitable[None]] | None = None,
+        on_drain: Callable[[], Awaitable[None]] | None = None,
     ):
         self.name = name
         self.settings = settings
@@ -97,6 +113,7 @@ class GrpcService:
         self.metrics.in_flight.labels(name).set_function(lambda: self._interceptor.in_flight)
         self._register = register
         self._on_stop = on_stop
+        self._on_drain = on_drain
         self.server: grpc.aio.Server | None = None
         self.servicer: object | None = None  # the main servicer, for introspection in tests
         self.health = health.aio.HealthServicer()
@@ -108,6 +125,16 @@ class GrpcService:
         self._stopping = False
         self._ready = False
         self._watches: list[asyncio.Task] = []
+        # what Load/Report says besides readiness; services holding requests or a model thread set their own
+        self.report_load: Callable[[], common_pb2.LoadReport] = self._default_load
+
+    def _default_load(self) -> common_pb2.LoadReport:
+        calls = max(0, self.in_flight - 1)  # calls in flight, less this report itself
+        return common_pb2.LoadReport(live_requests=calls, queued=calls)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and not self._stopping
 
     @property
     def in_flight(self) -> int:
@@ -120,8 +147,10 @@ class GrpcService:
         self.server = grpc.aio.server(interceptors=interceptors, options=server_options(self.settings))
         self._service_names = list(self._register(self.server))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        common_pb2_grpc.add_LoadServicer_to_server(LoadServicer(self), self.server)
         reflection.enable_server_reflection(
-            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             common_pb2.DESCRIPTOR.services_by_name["Load"].full_name, reflection.SERVICE_NAME],
             self.server,
         )
         address = f"{self.settings.host}:{self.settings.port}"
@@ -194,6 +223,11 @@ class GrpcService:
         if self.settings.shutdown_delay_s:
             await asyncio.sleep(self.settings.shutdown_delay_s)
         log.info("%s draining %d in-flight calls (up to %.1fs)", self.name, self.in_flight, self.settings.drain_timeout_s)
+        if self._on_drain is not None:
+            try:
+                await asyncio.wait_for(self._on_drain(), self.settings.drain_timeout_s)
+            except Exception:  # noqa: BLE001 - what is left is cut by the server's grace below
+                log.warning("%s: drain hook did not finish", self.name, exc_info=True)
         await self.server.stop(grace=self.settings.drain_timeout_s)
         if self._health_server is not None:
             await self._health_server.stop(grace=None)

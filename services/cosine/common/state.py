@@ -7,7 +7,14 @@ Keys share the hash tag `{<request_id>}` so they live in one cluster slot:
 
 Every write refreshes the TTL of both keys. `commit` is fenced by `step`: a
 commit for a step other than the current one is rejected, so a stale or
-repeated commit (a retried round, a replica that lost ownership) changes nothing.
+repeated commit (a retried round) changes nothing. Ownership is fenced by an
+`epoch`: `create` and `take_over` (a scheduler resuming a request whose stream
+broke) each raise it and return the new value, and a commit, lease renewal or
+finish carrying an older epoch is rejected, so an old owner that still runs
+(stopped, partitioned) can no longer write. An owner holds a lease
+(`lease_until`, Redis server time) that its commits and `renew_many` extend; a
+running request whose lease ran out (its owner died) can be created afresh at
+once instead of being refused as already running.
 A commit may carry the request's policy state (expertise routing's scores, the
 acceptance estimate adaptive depth works from) as JSON, written in the same
 atomic step, so a replica taking over continues from what the request learnt.
@@ -34,28 +41,70 @@ from redis.backoff import ExponentialBackoff
 
 from cosine.common.errors import ServiceError
 
-_CREATE = """
-if redis.call('HGET', KEYS[1], 'status') == 'running' then return 0 end
+# Redis server time in milliseconds (one clock for every scheduler's leases)
+_NOW = "local t = redis.call('TIME') local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)\n"
+
+# KEYS: req, tokens; ARGV: ttl, lease_ms, field, value, ...  → the new epoch, or 0 (running, its lease alive)
+_CREATE = _NOW + """
+if redis.call('HGET', KEYS[1], 'status') == 'running' and tonumber(redis.call('HGET', KEYS[1], 'lease_until') or '0') > now then
+  return 0
+end
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0') + 1
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('HSET', KEYS[1], 'epoch', epoch, 'lease_until', now + tonumber(ARGV[2]))
 redis.call('EXPIRE', KEYS[1], ARGV[1])
 redis.call('DEL', KEYS[2])
-return 1
+return epoch
 """
 
-_COMMIT = """
+# KEYS: req, tokens; ARGV: ttl, lease_ms → the new epoch; -1: no such request; -2: it finished
+_TAKE_OVER = _NOW + """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status == false then return -1 end
+if status == 'finished' then return -2 end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'status', 'running', 'finish_reason', '', 'lease_until', now + tonumber(ARGV[2]))
+redis.call('EXPIRE', KEYS[1], ARGV[1])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[1]) end
+return epoch
+"""
+
+# ARGV: step, ttl, drafted, accepted, n, token × n, policy JSON or '', epoch or '', lease_ms or ''
+_COMMIT = _NOW + """
 local step = redis.call('HGET', KEYS[1], 'step')
 if step == false then return -1 end
 if step ~= ARGV[1] then return 0 end
 local n = tonumber(ARGV[5])
+local policy, epoch, lease = ARGV[6 + n], ARGV[7 + n], ARGV[8 + n]
+if epoch and epoch ~= '' and redis.call('HGET', KEYS[1], 'epoch') ~= epoch then return 0 end
 for i = 1, n do redis.call('RPUSH', KEYS[2], ARGV[5 + i]) end
 redis.call('HINCRBY', KEYS[1], 'step', 1)
 redis.call('HINCRBY', KEYS[1], 'rounds', 1)
 redis.call('HINCRBY', KEYS[1], 'drafted', ARGV[3])
 redis.call('HINCRBY', KEYS[1], 'accepted', ARGV[4])
-if ARGV[6 + n] then redis.call('HSET', KEYS[1], 'policy', ARGV[6 + n]) end
+if policy and policy ~= '' then redis.call('HSET', KEYS[1], 'policy', policy) end
+if lease and lease ~= '' then redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(lease)) end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 if n > 0 or redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+return 1
+"""
+
+# ARGV: epoch, ttl, lease_ms → 1, or 0 when another owner took the request over (or it is gone)
+_RENEW = _NOW + """
+if redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[1] or redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'lease_until', now + tonumber(ARGV[3]))
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 1 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+return 1
+"""
+
+# ARGV: status, finish_reason, ended_at, finished_ttl, epoch or '' → 1, or 0 when fenced off
+_FINISH = """
+if ARGV[5] ~= '' and redis.call('HGET', KEYS[1], 'epoch') ~= ARGV[5] then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1], 'finish_reason', ARGV[2], 'ended_at', ARGV[3], 'lease_until', 0)
+redis.call('EXPIRE', KEYS[1], ARGV[4])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
 return 1
 """
 
@@ -82,6 +131,7 @@ class RequestState:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""
     policy: dict | None = None  # the last commit's policy state, when it carried one
+    epoch: int = 0  # the owner fence: raised by every create and take-over
 
 
 class StoreUnavailable(ServiceError):
@@ -151,12 +201,16 @@ def connect(url: str, timeout_s: float = 2.0) -> aioredis.Redis:
 class RequestStore:
     """Reads and writes request state; one instance per service, given its Redis client."""
 
-    def __init__(self, client: aioredis.Redis, ttl_s: int = 3600, finished_ttl_s: int = 600):
+    def __init__(self, client: aioredis.Redis, ttl_s: int = 3600, finished_ttl_s: int = 600, lease_s: float = 5.0):
         self.client = client
         self.ttl_s = ttl_s
         self.finished_ttl_s = finished_ttl_s
+        self.lease_ms = max(1, int(lease_s * 1000))  # how long an owner's claim lasts without a commit or renewal
         self._create = client.register_script(_CREATE)
+        self._take_over = client.register_script(_TAKE_OVER)
         self._commit = client.register_script(_COMMIT)
+        self._renew = client.register_script(_RENEW)
+        self._finish = client.register_script(_FINISH)
 
     @_store_errors
     async def ping(self) -> bool:
@@ -170,8 +224,10 @@ class RequestStore:
             return False
 
     @_store_errors
-    async def create(self, request_id: str, prompt_token_ids: list[int], sampling: dict, params: dict) -> bool:
-        """Create a running request; False if one with this id is running already (ended ones are replaced)."""
+    async def create(self, request_id: str, prompt_token_ids: list[int], sampling: dict, params: dict) -> int:
+        """Create a running request and own it: returns its epoch (≥ 1), or 0 if one with this id is running
+        already and its owner's lease is alive. Ended requests, and running ones whose owner died (lease run
+        out), are replaced; the epoch still rises, so their old owner is fenced off."""
         key = req_key(request_id)
         mapping = {
             "prompt": json.dumps(prompt_token_ids),
@@ -185,36 +241,48 @@ class RequestStore:
             "request_id": request_id,
             "created_at": time.time(),
         }
-        args = [self.ttl_s]
+        args = [self.ttl_s, self.lease_ms]
         for name, value in mapping.items():
             args += [name, value]
-        return await self._create(keys=[key, tokens_key(request_id)], args=args) == 1
+        return int(await self._create(keys=[key, tokens_key(request_id)], args=args))
+
+    @_store_errors
+    async def take_over(self, request_id: str) -> RequestState | None:
+        """Own a request whose stream broke (its owner died, drains, or lost its caller), whatever the old
+        owner's lease: the epoch rises, so the old owner's commits are refused from now on. Returns the state
+        (with the new epoch; status 'finished' if it had ended — then nothing was taken over), or None if
+        Redis has no such request."""
+        keys = [req_key(request_id), tokens_key(request_id)]
+        async with self.client.pipeline(transaction=True) as pipe:
+            await self._take_over(keys=keys, args=[self.ttl_s, self.lease_ms], client=pipe)
+            pipe.hgetall(keys[0])
+            pipe.lrange(keys[1], 0, -1)
+            epoch, fields, tokens = await pipe.execute()
+        if int(epoch) == -1 or not fields:
+            return None
+        return _state(request_id, fields, tokens)
 
     @_store_errors
     async def commit(self, request_id: str, step: int, token_ids: list[int], drafted: int, accepted: int,
-                     policy: dict | None = None) -> int:
+                     policy: dict | None = None, epoch: int | None = None) -> int:
         """Append the tokens of round `step` (and replace the policy state, when given); returns the next step.
-        Raises StaleCommit if fenced off."""
-        args = [step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids]
-        if policy is not None:
-            args.append(json.dumps(policy, separators=(",", ":")))
+        With `epoch`, only its owner may commit, and the commit extends its lease. Raises StaleCommit if fenced off."""
+        args = self._commit_args(step, token_ids, drafted, accepted, policy, epoch)
         result = await self._commit(keys=[req_key(request_id), tokens_key(request_id)], args=args)
         if result != 1:
             raise StaleCommit(request_id, step, missing=result == -1)
         return step + 1
 
     @_store_errors
-    async def commit_many(self, rounds: list[tuple[str, int, list[int], int, int, dict | None]]) -> list[BaseException | None]:
-        """Commit many requests' rounds, each `(request_id, step, token_ids, drafted, accepted, policy)`, in one
-        pipeline (one round trip); each fenced like `commit`. One result per round: None, or the StaleCommit (or
-        error) that round met."""
+    async def commit_many(self, rounds: list[tuple]) -> list[BaseException | None]:
+        """Commit many requests' rounds, each `(request_id, step, token_ids, drafted, accepted, policy[, epoch])`,
+        in one pipeline (one round trip); each fenced like `commit`. One result per round: None, or the
+        StaleCommit (or error) that round met."""
         if not rounds:
             return []
         async with self.client.pipeline(transaction=False) as pipe:
-            for request_id, step, token_ids, drafted, accepted, policy in rounds:
-                args = [step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids]
-                if policy is not None:
-                    args.append(json.dumps(policy, separators=(",", ":")))
+            for request_id, step, token_ids, drafted, accepted, policy, *epoch in rounds:
+                args = self._commit_args(step, token_ids, drafted, accepted, policy, epoch[0] if epoch else None)
                 await self._commit(keys=[req_key(request_id), tokens_key(request_id)], args=args, client=pipe)
             replies = await pipe.execute(raise_on_error=False)
         out: list[BaseException | None] = []
@@ -227,14 +295,31 @@ class RequestStore:
                 out.append(None)
         return out
 
+    def _commit_args(self, step, token_ids, drafted, accepted, policy, epoch) -> list:
+        return [step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids,
+                "" if policy is None else json.dumps(policy, separators=(",", ":")),
+                "" if epoch is None else str(epoch), "" if epoch is None else self.lease_ms]
+
     @_store_errors
-    async def finish(self, request_id: str, status: str, finish_reason: str = "") -> None:
-        """Mark the request ended (finished, cancelled, failed); keeps it for finished_ttl_s."""
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hset(req_key(request_id), mapping={"status": status, "finish_reason": finish_reason, "ended_at": time.time()})
-            pipe.expire(req_key(request_id), self.finished_ttl_s)
-            pipe.expire(tokens_key(request_id), self.finished_ttl_s)
-            await pipe.execute()
+    async def renew_many(self, owned: list[tuple[str, int]]) -> list[bool]:
+        """Extend the leases of `(request_id, epoch)` pairs this owner holds, in one pipeline; False where
+        another owner took the request over (or its state is gone)."""
+        if not owned:
+            return []
+        async with self.client.pipeline(transaction=False) as pipe:
+            for request_id, epoch in owned:
+                await self._renew(keys=[req_key(request_id), tokens_key(request_id)], args=[str(epoch), self.ttl_s, self.lease_ms],
+                                  client=pipe)
+            replies = await pipe.execute(raise_on_error=False)
+        return [r == 1 for r in replies]
+
+    @_store_errors
+    async def finish(self, request_id: str, status: str, finish_reason: str = "", epoch: int | None = None) -> bool:
+        """Mark the request ended (finished, cancelled, failed); keeps it for finished_ttl_s. With `epoch`, only
+        if that owner still holds it (False: another took it over, nothing written)."""
+        result = await self._finish(keys=[req_key(request_id), tokens_key(request_id)],
+                                    args=[status, finish_reason, time.time(), self.finished_ttl_s, "" if epoch is None else str(epoch)])
+        return result == 1
 
     @_store_errors
     async def load(self, request_id: str) -> RequestState | None:
@@ -244,18 +329,23 @@ class RequestStore:
             fields, tokens = await pipe.execute()
         if not fields:
             return None
-        f = {k.decode(): v.decode() for k, v in fields.items()}
-        return RequestState(
-            request_id=request_id,
-            prompt_token_ids=json.loads(f["prompt"]),
-            sampling=json.loads(f["sampling"]),
-            params=json.loads(f["params"]),
-            status=f["status"],
-            step=int(f["step"]),
-            rounds=int(f["rounds"]),
-            drafted=int(f["drafted"]),
-            accepted=int(f["accepted"]),
-            token_ids=[int(t) for t in tokens],
-            finish_reason=f.get("finish_reason", ""),
-            policy=json.loads(f["policy"]) if "policy" in f else None,
-        )
+        return _state(request_id, fields, tokens)
+
+
+def _state(request_id: str, fields: dict, tokens: list) -> RequestState:
+    f = {k.decode(): v.decode() for k, v in fields.items()}
+    return RequestState(
+        request_id=request_id,
+        prompt_token_ids=json.loads(f["prompt"]),
+        sampling=json.loads(f["sampling"]),
+        params=json.loads(f["params"]),
+        status=f["status"],
+        step=int(f["step"]),
+        rounds=int(f["rounds"]),
+        drafted=int(f["drafted"]),
+        accepted=int(f["accepted"]),
+        token_ids=[int(t) for t in tokens],
+        finish_reason=f.get("finish_reason", ""),
+        policy=json.loads(f["policy"]) if f.get("policy") else None,
+        epoch=int(f.get("epoch", 0)),
+    )

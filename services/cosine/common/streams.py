@@ -56,6 +56,7 @@ class ModelWorker:
         self._busy = busy_seconds
         self._queue = queue_depth
         self.pending = 0  # calls queued or running (read on the event loop's thread)
+        self.busy_s = 0.0  # seconds spent in model code since start (reported to callers as load)
         self._running_since: float | None = None  # time.monotonic() when the call now running began
 
     def running_for(self) -> float:
@@ -70,6 +71,7 @@ class ModelWorker:
             return fn(*args)
         finally:
             self._running_since = None
+            self.busy_s += time.perf_counter() - started
             if self._busy is not None:
                 self._busy.inc(time.perf_counter() - started)
             if self._queue is not None:

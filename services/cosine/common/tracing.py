@@ -159,7 +159,9 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith("/grpc."):  # health, reflection: no trace
+        method = handler_call_details.method
+        # health, reflection and the load polls of callers' pools (every 0.5 s): no trace
+        if handler is None or method.startswith("/grpc.") or method.startswith("/cosine.common.v1.Load/"):
             return handler
         return rewrap(handler, handler_call_details.method, self._wrap_unary, self._wrap_stream)
 

@@ -10,6 +10,7 @@ from pydantic import Field
 from cosine.common.config import ModelSettings
 from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
+from cosine.common.v1 import common_pb2
 from cosine.drafter.service import DrafterServicer
 from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 
@@ -89,8 +90,12 @@ async def serve(settings: DrafterSettings) -> GrpcService:
 
         m.registry.register(MemoryCollector(settings.name, drafter.memory))
     worker = ModelWorker(name, m.worker_busy_seconds.labels(name), m.worker_queue_depth.labels(name))
-    servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth, service.tracing)
+    servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth, service.tracing,
+                               opened=m.requests_opened.labels(name))
     service.servicer = servicer
+    capacity = settings.max_requests if settings.kind == "lm" else 0
+    service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.open_ids), capacity=capacity,
+                                                        queued=worker.pending, busy_seconds=worker.busy_s)
     await service.start()
     await service.set_ready()
     if settings.wedged_after_s:

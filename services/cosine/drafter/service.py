@@ -21,13 +21,14 @@ MAX_TOP_K = 16  # candidates per position a step may ask for
 
 class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
     def __init__(self, drafter: Drafter, worker: ModelWorker, tokenizer_hash: str = "", max_depth: int = 32,
-                 tracing: Tracing | None = None):
+                 tracing: Tracing | None = None, opened=None):
         self.drafter = drafter
         self.tracing = tracing or Tracing(drafter.name)
         self.worker = worker
         self.tokenizer_hash = tokenizer_hash
         self.max_depth = max_depth
         self.open_ids: set[str] = set()  # request ids a stream holds here: a second open of one is refused
+        self.opened = opened  # a Counter (child) of requests opened here, or None
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -58,6 +59,8 @@ class DrafterServicer(drafter_pb2_grpc.DrafterServicer):
                     except SlotsFull:
                         raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                            f"drafter {self.drafter.name} has no free KV slot; retry later") from None
+                    if self.opened is not None:
+                        self.opened.inc()
                     if message.open.score_prompt:  # expertise routing's prior: answer the open
                         fit = await self.worker.run(self.drafter.score_prompt, request_id)
                         yield drafter_pb2.DraftResponse(prompt_fit=common_pb2.PromptFit(

@@ -1,4 +1,7 @@
-"""Start the fusion service: `python -m cosine.fusion --drafters ngram=127.0.0.1:50061,...`."""
+"""Start the fusion service: `python -m cosine.fusion --drafters ngram=127.0.0.1:50061,...`.
+
+A drafter named twice has two replicas (`suffix=127.0.0.1:50061,suffix=127.0.0.1:50062`); an address may
+also be dns:///HOST:PORT or file:PATH. Each request stays on the replica of each drafter it was placed on."""
 
 from __future__ import annotations
 
@@ -7,24 +10,31 @@ import asyncio
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, open_channel, run_service
-from cosine.drafter.v1 import drafter_pb2_grpc
+from cosine.common.pool import EndpointPool, parse_targets
+from cosine.common.server import GrpcService, run_service
 from cosine.fusion.health import HealthConfig
 from cosine.fusion.service import FusionMetrics, FusionServicer
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 
 
 def parse_endpoints(value: str | dict) -> dict[str, str]:
-    """'name=host:port,name=host:port' (or a dict) → {name: address}."""
+    """'name=host:port,name=host:port' (or a dict) → {name: targets}; a name given twice gets both addresses
+    ("host:port,host:port"), each address may be dns:///HOST:PORT or file:PATH (see cosine.common.pool)."""
     if isinstance(value, dict):
         return {str(k): str(v) for k, v in value.items()}
-    endpoints = {}
+    endpoints: dict[str, list[str]] = {}
     for item in filter(None, (part.strip() for part in value.split(","))):
         name, sep, address = item.partition("=")
         if not sep or not name or not address:
             raise ValueError(f"drafter endpoint {item!r} is not NAME=HOST:PORT")
-        endpoints[name] = address
-    return endpoints
+        endpoints.setdefault(name, []).append(address)
+    out = {}
+    for name, addresses in endpoints.items():
+        if len(addresses) > 1 and any(parse_targets(a)[0] != "list" for a in addresses):
+            raise ValueError(f"drafter {name}: a dns:/// or file: address must be its only one")
+        out[name] = ",".join(addresses)
+        parse_targets(out[name])
+    return out
 
 
 class FusionSettings(ServiceSettings):
@@ -60,17 +70,18 @@ class FusionSettings(ServiceSettings):
 
 
 async def serve(settings: FusionSettings) -> GrpcService:
-    channels = {name: open_channel(addr, settings) for name, addr in settings.endpoints.items()}
+    pools = {name: EndpointPool(f"drafter {name}", targets, settings) for name, targets in settings.endpoints.items()}
+    await asyncio.gather(*(pool.start() for pool in pools.values()))
 
     def register(server):
         fusion_pb2_grpc.add_FusionServicer_to_server(servicer, server)
         return [fusion_pb2.DESCRIPTOR.services_by_name["Fusion"].full_name]
 
     async def on_stop():
-        await asyncio.gather(*(ch.close() for ch in channels.values()))
+        await asyncio.gather(*(pool.close() for pool in pools.values()))
 
     service = GrpcService("fusion", settings, register, on_stop)
-    servicer = FusionServicer({name: drafter_pb2_grpc.DrafterStub(ch) for name, ch in channels.items()},
+    servicer = FusionServicer(pools,
                               FusionMetrics(service.metrics.registry), service.tracing, settings.top_k, settings.health())
     service.servicer = servicer
     await service.start()

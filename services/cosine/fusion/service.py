@@ -1,4 +1,9 @@
-"""gRPC adapter of fusion: one Speculate stream per request, driving that request's drafters."""
+"""gRPC adapter of fusion: one Speculate stream per request, driving that request's drafters.
+
+Each drafter may have several replicas (an `EndpointPool` per drafter): a request's stream to a drafter
+opens on the least-loaded ready replica and stays there (its KV cache lives there); a replica whose
+stream breaks is marked down in its pool, so new requests go to the others, while `health.py` goes on
+judging the drafter as a whole."""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ import grpc
 from prometheus_client import Counter
 
 from cosine.common.errors import ServiceError, invalid
+from cosine.common.pool import Endpoint, EndpointPool
 from cosine.common.streams import close_quietly, exchange
 from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
@@ -75,6 +81,7 @@ class _Request:
         self.names = names
         self.mode = mode
         self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
+        self.replicas: dict[str, Endpoint] = {}  # the replica of each drafter its stream is open on
         self.pending: dict[str, list[int]] = {n: [] for n in (names if usable is None else usable)}
         # the previous round's proposals and their context, judged when its outcome arrives
         self.chains: dict[str, list[int]] = {}
@@ -99,7 +106,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
     ``health``: deadlines and skipping of failing drafters (see health.py); ``probe_timeout_s``: how
     long the health check of a skipped drafter may take."""
 
-    def __init__(self, drafters: dict[str, drafter_pb2_grpc.DrafterStub], metrics: FusionMetrics | None = None,
+    def __init__(self, drafters: dict[str, EndpointPool], metrics: FusionMetrics | None = None,
                  tracing: Tracing | None = None, top_k: int = 3, health: HealthConfig | None = None,
                  probe_timeout_s: float = 2.0, clock=time.monotonic):
         self.drafters = drafters
@@ -120,7 +127,7 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
 
         remaining = context.time_remaining()
 
-        async def one(name, stub):
+        async def one(name, pool: EndpointPool):
             known = self._infos.get(name)
             patient = name not in self._asked  # the first time, a drafter may still be starting: wait for it a while
             self._asked.add(name)
@@ -128,8 +135,12 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             if remaining is not None:
                 timeout = max(0.1, min(timeout, 0.8 * remaining))  # answer within the caller's deadline
             try:
-                info = await stub.Info(common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=patient,
-                                       metadata=self.tracing.metadata())
+                replica = await pool.wait_ready(timeout) if patient else pool.pick(place=False)
+                info = await drafter_pb2_grpc.DrafterStub(replica.channel).Info(
+                    common_pb2.InfoRequest(), timeout=timeout, wait_for_ready=patient, metadata=self.tracing.metadata())
+            except ServiceError:
+                log.warning("drafter %s has no ready replica", name)
+                return known or common_pb2.ModelInfo(name=name)
             except grpc.RpcError as exc:
                 log.warning("drafter %s did not answer Info: %s", name, exc.code() if isinstance(exc, grpc.aio.AioRpcError) else exc)
                 return known or common_pb2.ModelInfo(name=name)
@@ -147,9 +158,11 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
 
     async def _probe(self, name: str) -> None:
         try:
-            self._infos[name] = await self.drafters[name].Info(common_pb2.InfoRequest(), timeout=self.probe_timeout_s)
+            replica = self.drafters[name].pick(place=False)
+            self._infos[name] = await drafter_pb2_grpc.DrafterStub(replica.channel).Info(
+                common_pb2.InfoRequest(), timeout=self.probe_timeout_s)
             ok = True
-        except grpc.RpcError:
+        except (grpc.RpcError, ServiceError):
             ok = False
         self.health.probe_result(name, ok, self.clock())
         if ok:
@@ -183,6 +196,13 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             if req is not None:
                 for call in req.calls.values():
                     close_quietly(call)
+                for name in list(req.replicas):
+                    self._release(req, name)
+
+    def _release(self, req: _Request, name: str) -> None:
+        replica = req.replicas.pop(name, None)
+        if replica is not None:
+            self.drafters[name].release(replica)
 
     def _open(self, open_msg) -> _Request:
         names = list(dict.fromkeys(open_msg.drafters))
@@ -200,7 +220,9 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         return req
 
     def _open_call(self, req: _Request, name: str, context) -> grpc.aio.StreamStreamCall:
-        call = self.drafters[name].Draft(timeout=context.time_remaining(), metadata=req.metadata)
+        """The request's stream to the drafter, on the least-loaded ready replica (ServiceError UNAVAILABLE: none)."""
+        replica = req.replicas[name] = self.drafters[name].pick()
+        call = drafter_pb2_grpc.DrafterStub(replica.channel).Draft(timeout=context.time_remaining(), metadata=req.metadata)
         req.calls[name] = call
         return call
 
@@ -239,11 +261,19 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             reason = "full"  # alive, only busy: its health does not change
         else:
             reason = "failed"
+        replica, pool = req.replicas.get(name), self.drafters[name]
+        replica_down = (reason == "failed" and replica is not None
+                        and code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN))
+        if replica_down:
+            pool.mark_down(replica)  # its stream broke: new requests go to the drafter's other replicas
         req.drop(name)
+        self._release(req, name)
         self.metrics.dropped.labels(name, reason).inc()
         log.warning("request %s goes on without drafter %s (%s: %s)", req.request_id, name, reason,
                     getattr(exc, "message", None) or (exc.details() if isinstance(exc, grpc.aio.AioRpcError) else type(exc).__name__))
-        if reason != "full" and self.health.failure(name, self.clock()):
+        # one replica gone while another is ready is not the drafter failing: new requests go to that one
+        if reason != "full" and not (replica_down and any(e.healthy for e in pool.endpoints())) \
+                and self.health.failure(name, self.clock()):
             self.metrics.skipped.labels(name).inc()
             log.warning("drafter %s failed %d times in a row: new requests skip it until it passes a health check",
                         name, self.health.config.failures_to_skip)

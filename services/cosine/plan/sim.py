@@ -284,7 +284,7 @@ class SimScheduler(SchedulerServicer):
     """The scheduler service's own class; only its I/O ports (draft, verify, commit, emit) are simulated."""
 
     def __init__(self, sim: Simulation, index: int, verifier: int, config: SchedulerConfig):
-        super().__init__(store=None, verifier=None, fusion=None, config=config,
+        super().__init__(store=None, verifiers=None, fusions=None, config=config,
                          metrics=SchedulerMetrics(CollectorRegistry()), clock=sim.clock)
         self.sim = sim
         self.index = index

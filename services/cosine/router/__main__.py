@@ -8,12 +8,12 @@ from pathlib import Path
 from pydantic import Field
 
 from cosine.common.config import ServiceSettings
+from cosine.common.pool import EndpointPool
 from cosine.common.server import GrpcService, open_channel, run_service
 from cosine.fusion.v1 import fusion_pb2_grpc
 from cosine.router import policy
 from cosine.router.service import DrafterDirectory, RouterMetrics, RouterServicer
 from cosine.router.v1 import router_pb2, router_pb2_grpc
-from cosine.scheduler.v1 import scheduler_pb2_grpc
 
 
 class RouterSettings(ServiceSettings):
@@ -22,7 +22,12 @@ class RouterSettings(ServiceSettings):
     model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_ROUTER_"}
 
     port: int = Field(50051, ge=0, le=65535, description="gRPC port of the public Generate stream")
-    scheduler: str = Field("127.0.0.1:50052", description="scheduler address HOST:PORT")
+    scheduler: str = Field("127.0.0.1:50052", description=(
+        "scheduler addresses: HOST:PORT[,HOST:PORT...], dns:///HOST:PORT (every replica) or file:PATH; a request whose "
+        "scheduler dies or drains is resumed on another"))
+    resume_window_s: float = Field(10.0, ge=0, description=(
+        "how long a request whose scheduler stream broke is resubmitted (with resume, backing off to 1 s) before "
+        "the client gets UNAVAILABLE"))
     fusion: str = Field("127.0.0.1:50053", description="fusion address, asked which drafters exist")
     model: str = Field("", description="directory with the target's tokenizer and config (empty: the zoo's target)")
     default_drafters: list[str] = Field(["ngram"], description="drafters for requests that name none, best first")
@@ -55,7 +60,8 @@ async def serve(settings: RouterSettings) -> GrpcService:
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     max_context = int(getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", 2048))
     limits = policy.Limits(settings.max_new_tokens_default, settings.max_new_tokens_limit, max_context, max_depth=settings.max_depth)
-    scheduler_channel = open_channel(settings.scheduler, settings)
+    schedulers = EndpointPool("scheduler", settings.scheduler, settings)
+    await schedulers.start()
     fusion_channel = open_channel(settings.fusion, settings)
 
     def register(server):
@@ -63,13 +69,13 @@ async def serve(settings: RouterSettings) -> GrpcService:
         return [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name]
 
     async def on_stop():
-        await scheduler_channel.close()
+        await schedulers.close()
         await fusion_channel.close()
 
     service = GrpcService("router", settings, register, on_stop)
     servicer = RouterServicer(
         tokenizer,
-        scheduler_pb2_grpc.SchedulerStub(scheduler_channel),
+        schedulers,
         DrafterDirectory(fusion_pb2_grpc.FusionStub(fusion_channel), tracing=service.tracing),
         limits,
         settings.default_drafters,
@@ -78,6 +84,7 @@ async def serve(settings: RouterSettings) -> GrpcService:
         service.tracing,
         max_streams=settings.max_streams,
         default_timeout_s=settings.default_timeout_s,
+        resume_window_s=settings.resume_window_s,
     )
     service.servicer = servicer
     await service.start()

@@ -11,8 +11,9 @@ import uuid
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from cosine.common.errors import ServiceError
+from cosine.common.errors import ServiceError, broken_stream
 from cosine.common.metrics import LATENCY_BUCKETS
+from cosine.common.pool import Endpoint, EndpointPool
 from cosine.common.tracing import Tracing, set_span_attributes
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
@@ -34,6 +35,11 @@ class RouterMetrics:
         )
         self.tokens = Counter("cosine_router_output_tokens_total", "tokens streamed to clients", registry=registry)
         self.in_flight = Gauge("cosine_router_requests_in_flight", "Generate streams in progress", registry=registry)
+        self.resumes = Counter("cosine_router_resumes_total",
+                               "Submit streams resubmitted with resume, by why: the scheduler's stream broke or it handed the request over",
+                               ["reason"], registry=registry)
+        self.resume_seconds = Histogram("cosine_router_resume_seconds", "from a broken or handed-over stream to the resumed one's first reply",
+                                        buckets=LATENCY_BUCKETS, registry=registry)
 
 
 class DrafterDirectory:
@@ -45,26 +51,35 @@ class DrafterDirectory:
         self.ttl_s = ttl_s
         self._names: set[str] = set()
         self._fetched = 0.0
+        self._fetching: asyncio.Future | None = None
 
     async def names(self, must_have: list[str] = ()) -> set[str]:
         stale = time.monotonic() - self._fetched > self.ttl_s
         if stale or any(n not in self._names for n in must_have):
-            try:
-                reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5, metadata=self.tracing.metadata())
-                self._names = {d.name for d in reply.drafters}
-                self._fetched = time.monotonic()
-            except grpc.aio.AioRpcError as exc:
-                if not self._names:
-                    raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"fusion is unreachable: {exc.details()}") from exc
+            if self._fetching is None or self._fetching.done():  # one fetch at a time, however many requests wait on it
+                self._fetching = asyncio.ensure_future(self._fetch())
+            await asyncio.shield(self._fetching)
         return self._names
+
+    async def _fetch(self) -> None:
+        try:
+            reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5, metadata=self.tracing.metadata())
+            self._names = {d.name for d in reply.drafters}
+            self._fetched = time.monotonic()
+        except grpc.aio.AioRpcError as exc:
+            if not self._names:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"fusion is unreachable: {exc.details()}") from exc
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, tokenizer, scheduler: scheduler_pb2_grpc.SchedulerStub, drafters: DrafterDirectory,
+    def __init__(self, tokenizer, schedulers: EndpointPool, drafters: DrafterDirectory,
                  limits: policy.Limits, default_drafters: list[str], metrics: RouterMetrics, api_keys: set[str] = frozenset(),
-                 tracing: Tracing | None = None, max_streams: int = 0, default_timeout_s: float = 600.0):
+                 tracing: Tracing | None = None, max_streams: int = 0, default_timeout_s: float = 600.0,
+                 resume_window_s: float = 10.0):
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
+        self.schedulers = schedulers
+        self.resume_window_s = resume_window_s  # how long a broken stream is resumed for before the client hears of it
+        self._turn = 0
         self.drafters = drafters
         self.limits = limits
         self.default_drafters = default_drafters
@@ -76,6 +91,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self.streams = 0  # admitted streams in progress
         eos = tokenizer.eos_token_id
         self.stop_token_ids = sorted({eos} if isinstance(eos, int) else set(eos or []))
+
+    def _stream_limit(self) -> int:
+        """Most streams this router admits: --max-streams, and no more than the ready schedulers report they admit
+        (their verifiers' KV slots; 0: no limit known). The schedulers refuse the excess too (several routers)."""
+        ready = [e for e in self.schedulers.endpoints() if e.healthy and e.report is not None]
+        capacity = sum(e.report.capacity for e in ready) if ready and all(e.report.capacity for e in ready) else 0
+        limits = [n for n in (self.max_streams, capacity) if n]
+        return min(limits) if limits else 0
+
+    def _pick(self, exclude: frozenset) -> tuple[Endpoint, bool]:
+        """The scheduler for a (re)submission: the least-loaded ready one not in `exclude`, placed there (True:
+        release it when the call ends); when none is ready, any known one (a scheduler that is not ready answers
+        with its own reason, say Redis being down), not placed."""
+        try:
+            return self.schedulers.pick(exclude), True
+        except ServiceError:
+            known = [e for e in self.schedulers.endpoints() if e not in exclude] or self.schedulers.endpoints()
+            if not known:
+                raise
+            self._turn += 1
+            return known[self._turn % len(known)], False
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         if not self.api_keys:
@@ -105,10 +141,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             self._authenticate(context)
             # admission: only what the verifiers' slots hold; the excess is told at once to come back later
-            if self.max_streams and self.streams >= self.max_streams:
+            limit = self._stream_limit()
+            if limit and self.streams >= limit:
                 outcome = "rejected"
                 raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                   f"the server is at capacity ({self.max_streams} streams in progress); retry later, with backoff")
+                                   f"the server is at capacity ({limit} streams in progress); retry later, with backoff")
             self.streams += 1
             admitted = True
             rid = request.request_id or uuid.uuid4().hex
@@ -156,40 +193,84 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                                  "cosine.max_new_tokens": admission.max_new_tokens, "cosine.drafters": list(speculation.drafters)})
         remaining = context.time_remaining()
         timeout = self.default_timeout_s if remaining is None else remaining
-        call = self.scheduler.Submit(submit, timeout=timeout, metadata=self.tracing.metadata())
+        deadline = time.monotonic() + timeout
         text = StreamText(self.tokenizer, admission.stop)
         stats = common_pb2.Stats(drafters=list(speculation.drafters))
         completion = 0
+        received = 0  # output tokens the schedulers sent that reached the client: the index fence of a resume
         first_at = None
         finish = common_pb2.FINISH_REASON_UNSPECIFIED
-        try:
-            async for reply in call:
-                kind = reply.WhichOneof("kind")
-                if kind == "tokens":
-                    stats.rounds += 1
-                    stats.drafted_tokens += reply.tokens.drafted_tokens
-                    stats.accepted_tokens += reply.tokens.accepted_tokens
-                    ids, delta = text.add(list(reply.tokens.token_ids))
-                    completion += len(ids)
-                    if ids:
-                        first_at = first_at or time.perf_counter()
-                        self.metrics.tokens.inc(len(ids))
-                        yield router_pb2.GenerateResponse(request_id=rid, chunk=router_pb2.Chunk(token_ids=ids, text=delta))
-                    if text.stopped:
-                        finish = common_pb2.FINISH_REASON_STOP
+        exclude: frozenset = frozenset()
+        broke_at = None  # when the current stream broke; resuming stops resume_window_s later
+        attempt = 0
+        while finish == common_pb2.FINISH_REASON_UNSPECIFIED:
+            endpoint, placed = self._pick(exclude)
+            call = scheduler_pb2_grpc.SchedulerStub(endpoint.channel).Submit(
+                submit, timeout=max(0.001, deadline - time.monotonic()), metadata=self.tracing.metadata())
+            handover = failure = None
+            try:
+                async for reply in call:
+                    if broke_at is not None:
+                        self.metrics.resume_seconds.observe(time.monotonic() - broke_at)
+                        broke_at, attempt = None, 0
+                    kind = reply.WhichOneof("kind")
+                    if kind == "tokens":
+                        stats.rounds += 1
+                        stats.drafted_tokens += reply.tokens.drafted_tokens
+                        stats.accepted_tokens += reply.tokens.accepted_tokens
+                        start = reply.tokens.start_index
+                        if start > received:  # never happens: a scheduler sends from resume_from on
+                            raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the request's output lost tokens in a failover; retry")
+                        fresh = list(reply.tokens.token_ids)[received - start:]  # the client has the ones before
+                        received += len(fresh)
+                        ids, delta = text.add(fresh)
+                        completion += len(ids)
+                        if ids:
+                            first_at = first_at or time.perf_counter()
+                            self.metrics.tokens.inc(len(ids))
+                            yield router_pb2.GenerateResponse(request_id=rid, chunk=router_pb2.Chunk(token_ids=ids, text=delta))
+                        if text.stopped:
+                            finish = common_pb2.FINISH_REASON_STOP
+                            break
+                    elif kind == "final":
+                        finish = reply.final.finish_reason
+                        stats.rounds, stats.drafted_tokens = reply.final.stats.rounds, reply.final.stats.drafted_tokens
+                        stats.accepted_tokens = reply.final.stats.accepted_tokens
+                        del stats.drafters[:]  # the drafters that drafted, as the scheduler's routing chose them
+                        stats.drafters.extend(reply.final.stats.drafters)
+                    elif kind == "handover":  # the scheduler is stopping: the request goes on elsewhere
+                        handover = reply.handover.reason
                         break
-                elif kind == "final":
-                    finish = reply.final.finish_reason
-                    del stats.drafters[:]  # the drafters that drafted, as the scheduler's routing chose them
-                    stats.drafters.extend(reply.final.stats.drafters)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                whose = f"the server's default of {self.default_timeout_s:g}s, as the client set none" if remaining is None else "the client's"
-                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                   f"the request ran past its deadline ({whose}); set a longer deadline or ask for fewer tokens") from None
-            raise
-        finally:
-            call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    whose = f"the server's default of {self.default_timeout_s:g}s, as the client set none" if remaining is None else "the client's"
+                    raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                       f"the request ran past its deadline ({whose}); set a longer deadline or ask for fewer tokens") from None
+                if not (broken_stream(exc) or (submit.resume and exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED)):
+                    raise
+                failure = exc  # the stream broke (or the scheduler asked to resume on is full): resume elsewhere
+            finally:
+                call.cancel()  # no-op when the stream ended; stops the request everywhere otherwise
+                if placed:
+                    self.schedulers.release(endpoint)
+            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:
+                break
+            if handover is None and failure is None:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the stream without a result; retry")
+            # failover: resubmit with resume; the next scheduler takes the request over from Redis
+            now = time.monotonic()
+            broke_at = broke_at or now
+            if now - broke_at > self.resume_window_s or now >= deadline:
+                if failure is not None:
+                    raise failure
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, "no scheduler could take the request over; retry")
+            self.metrics.resumes.labels("handover" if handover is not None else "broken").inc()
+            self.schedulers.mark_down(endpoint)
+            exclude = frozenset({endpoint})
+            await asyncio.sleep(min(1.0, 0.05 * 2 ** attempt))
+            attempt += 1
+            submit.resume, submit.resume_from = True, received
+            log.info("request %s: resuming from token %d (%s)", rid, received, "handed over" if handover is not None else "stream broke")
         if finish == common_pb2.FINISH_REASON_UNSPECIFIED:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the stream without a result; retry")
         tail = text.flush()

@@ -1,4 +1,7 @@
-"""Start the scheduler: `python -m cosine.scheduler --verifier HOST:PORT --fusion HOST:PORT --redis-url URL`."""
+"""Start the scheduler: `python -m cosine.scheduler --verifier HOST:PORT --fusion HOST:PORT --redis-url URL`.
+
+--verifier and --fusion also take several replicas (HOST:PORT,HOST:PORT, dns:///HOST:PORT or file:PATH):
+each new request goes to the least-loaded one and stays there (`cosine.common.pool`)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import logging
 from pydantic import Field, field_validator
 
 from cosine.common.config import ServiceSettings
-from cosine.common.server import GrpcService, open_channel, run_service
+from cosine.common.pool import EndpointPool, parse_targets
+from cosine.common.server import GrpcService, run_service
 from cosine.common.state import RequestStore, connect
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2_grpc
@@ -24,8 +28,10 @@ class SchedulerSettings(ServiceSettings):
 
     model_config = ServiceSettings.model_config | {"env_prefix": "COSINE_SCHEDULER_"}
 
-    verifier: str = Field("127.0.0.1:50054", description="verifier address HOST:PORT")
-    fusion: str = Field("127.0.0.1:50053", description="fusion address HOST:PORT")
+    verifier: str = Field("127.0.0.1:50054", description=(
+        "verifier replicas: HOST:PORT[,HOST:PORT...], dns:///HOST:PORT (every address, resolved again) or file:PATH "
+        "(HOST:PORT lines, read again); each request goes to the least-loaded one"))
+    fusion: str = Field("127.0.0.1:50053", description="fusion replicas, in the same forms as --verifier")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis holding request state")
     state_ttl_s: int = Field(3600, ge=1, description="TTL of a live request's state, refreshed on every write")
     finished_ttl_s: int = Field(600, ge=1, description="how long an ended request's state is kept")
@@ -49,6 +55,21 @@ class SchedulerSettings(ServiceSettings):
     gate_window_s: float = Field(0.5, ge=0, description=(
         "window of the speculation gate: adaptive requests draft only at loads where windows that drafted committed "
         "more tokens per second than windows that did not (0: no gate)"))
+    max_admitted: int = Field(0, ge=0, description=(
+        "admission: most requests in progress; the excess gets RESOURCE_EXHAUSTED at once (0: the KV slots of the "
+        "ready verifiers, as their load reports give them)"))
+    lease_s: float = Field(5.0, gt=0, description=(
+        "how long a request stays claimed in Redis without word from its scheduler (renewed a third of this apart); "
+        "after it runs out, the request's id may be used again at once"))
+    handover_after_s: float | None = Field(None, ge=0, description=(
+        "on SIGTERM, how long live requests may finish before they are handed over to another scheduler through "
+        "Redis (unset: drain_timeout_s minus 3 s)"))
+
+    @field_validator("verifier", "fusion")
+    @classmethod
+    def _parse_targets(cls, value: str) -> str:
+        parse_targets(value)
+        return value
 
     @field_validator("switches")
     @classmethod
@@ -79,13 +100,13 @@ async def check_models(verifier: verifier_pb2_grpc.VerifierStub, fusion: fusion_
 
 
 async def serve(settings: SchedulerSettings) -> GrpcService:
-    verifier_channel = open_channel(settings.verifier, settings)
-    fusion_channel = open_channel(settings.fusion, settings)
-    verifier = verifier_pb2_grpc.VerifierStub(verifier_channel)
-    fusion = fusion_pb2_grpc.FusionStub(fusion_channel)
+    verifiers = EndpointPool("verifier", settings.verifier, settings)
+    fusions = EndpointPool("fusion", settings.fusion, settings)
+    await verifiers.start()
+    await fusions.start()
     client = connect(settings.redis_url, settings.redis_timeout_s)
     await client.ping()
-    store = RequestStore(client, settings.state_ttl_s, settings.finished_ttl_s)
+    store = RequestStore(client, settings.state_ttl_s, settings.finished_ttl_s, settings.lease_s)
 
     def register(server):
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
@@ -93,23 +114,35 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
 
     async def on_stop():
         await servicer.close()
-        await verifier_channel.close()
-        await fusion_channel.close()
+        await verifiers.close()
+        await fusions.close()
         await client.aclose()
 
-    service = GrpcService("scheduler", settings, register, on_stop)
+    handover_after_s = (settings.handover_after_s if settings.handover_after_s is not None
+                        else max(0.0, settings.drain_timeout_s - 3.0))
+
+    async def on_drain():
+        await servicer.drain(handover_after_s)
+
+    service = GrpcService("scheduler", settings, register, on_stop, on_drain)
     config = SchedulerConfig(settings.default_depth, settings.max_depth, switches=settings.parsed_switches(),
                              routing_k=settings.routing_k, routing_max_k=max(settings.routing_k, settings.routing_max_k),
                              routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high,
                              step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens,
                              gate_window_s=settings.gate_window_s)
-    servicer = SchedulerServicer(store, verifier, fusion, config, SchedulerMetrics(service.metrics.registry), service.tracing)
+    servicer = SchedulerServicer(store, verifiers, fusions, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
+    service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live),
+                                                        capacity=servicer.max_requests)
     await service.start()
+    # one ready replica of each answers for its role (replicas run the same models)
+    verifier = verifier_pb2_grpc.VerifierStub((await verifiers.wait_ready(settings.startup_timeout_s)).channel)
+    fusion = fusion_pb2_grpc.FusionStub((await fusions.wait_ready(settings.startup_timeout_s)).channel)
     target, drafters = await check_models(verifier, fusion, settings.startup_timeout_s)
     config.max_context = target.max_context
-    log.info("target %s (vocab %d, context %d); drafters %s; switches %s", target.name, target.vocab_size, target.max_context,
-             [d.name for d in drafters], config.switches)
+    servicer.max_admitted = settings.max_admitted
+    log.info("target %s (vocab %d, context %d); drafters %s; switches %s; admits %s requests", target.name, target.vocab_size,
+             target.max_context, [d.name for d in drafters], config.switches, servicer.max_requests or "any number of")
     await service.set_ready()
     service.watch_readiness("Redis", store.reachable, settings.redis_check_interval_s)
     return service

@@ -17,6 +17,8 @@
 * `LoadMeter` — the global controller's reading of the verifier's load, as seen from
   this scheduler: the fraction of wall time in which none of its requests was
   waiting on the verifier (idle), and how many were waiting when read (queue).
+* `verifier_load` — that reading combined with the verifiers' own load reports, so several
+  schedulers sharing a verifier each see the whole load.
 * `DepthChooser` — a request's `RequestSpeculation` plus probing: a request whose
   depth is 0 (speculation does not pay) learns nothing about its acceptance, so
   every ``probe_every``-th plain round drafts ``probe_depth`` tokens to find out
@@ -143,6 +145,18 @@ class LoadMeter:
         idle = 1.0 - min(1.0, busy / elapsed) if elapsed > 0 else 0.0
         self.window_start, self.busy_s = now, 0.0
         return idle, self.waiting
+
+
+def verifier_load(own_idle: float, own_queue: int, reports: list[tuple[float, int]]) -> tuple[float, int]:
+    """(idle, queue) for the global controller: this scheduler's own reading (`LoadMeter`) combined with
+    what the verifiers it uses report — (busy share, rounds not yet answered) each, other schedulers'
+    requests included. A verifier is no idler than its model thread says, and its queue no shorter
+    than either count (the mean over the verifiers: each verifies its own requests)."""
+    if not reports:
+        return own_idle, own_queue
+    busy = sum(b for b, _ in reports) / len(reports)
+    queued = sum(q for _, q in reports) / len(reports)
+    return min(own_idle, 1.0 - busy), max(own_queue, round(queued))
 
 
 @dataclass

@@ -4,11 +4,24 @@ The loop (`cosine.scheduler.steploop`) runs every live request's rounds as steps
 module only translates: drafts over each request's Speculate stream to fusion, a step's
 verifications as one message on one long-lived VerifySteps stream to the verifier, a
 step's commits as one Redis pipeline, and each request's rounds back to its Submit stream.
+
+Replicas: a new request is placed on the least-loaded ready verifier and fusion replica
+(`cosine.common.pool`) and stays there — its KV caches live there. Each verifier is a lane of
+the step loop with its own VerifySteps stream, so several verifiers verify at once.
+
+Verifier failover (DESIGN §5): when a verifier's stream breaks, every request open on it moves to
+another ready verifier; the rounds of the broken step are verified again there at once, after an
+open with the request's committed tokens (the new verifier rebuilds the KV cache from them), and
+the others reopen with their next round. Nothing of the broken step was committed, and the target's
+choice at each position depends only on the committed tokens and (seed, position), so the output
+is the fault-free one. A request whose verifier's stream was reopened (the same verifier, restarted)
+is reopened the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import logging
 from dataclasses import asdict, dataclass, field
 
@@ -17,6 +30,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from cosine.common.errors import ServiceError, invalid
 from cosine.common.metrics import LATENCY_BUCKETS
+from cosine.common.pool import Endpoint, EndpointPool
 from cosine.common.state import RequestStore
 from cosine.common.streams import close_quietly, exchange
 from cosine.common.tracing import Tracing
@@ -25,7 +39,7 @@ from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 from cosine.scheduler.routing import ExpertiseRouter, PromptFit
 from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
-from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter
+from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter, verifier_load
 from cosine.scheduler.batching import BatchLimits
 from cosine.scheduler.speculation import RequestSpeculation, SpeculationController, SpeculationGate
 from cosine.scheduler.steploop import Clock, Draft, Emission, MonotonicClock, Request, RoundOrder, RoundRecord, StepLoop, Verdict
@@ -74,6 +88,8 @@ class SchedulerMetrics:
                           "at the present load", registry=registry)
         self.step_seconds = Histogram("cosine_scheduler_step_seconds", "wall time of one verification step (send to answer)",
                                       buckets=LATENCY_BUCKETS, registry=registry)
+        self.failovers = Counter("cosine_scheduler_verifier_failovers_total",
+                                 "requests moved to another verifier after their verifier's stream broke", registry=registry)
         for position in range(16):  # exported from the start, so rates by position exist before the first accept
             self.position_drafted.labels(str(position))
             self.position_accepted.labels(str(position))
@@ -113,6 +129,18 @@ def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Sw
     return server.replace(**changes) if changes else server
 
 
+def restore_plan(plan: "RequestPlan", policy_state: dict | None) -> None:
+    """A resumed request continues from what it learnt (the last commit's policy state in Redis)."""
+    if not policy_state:
+        return
+    routing = policy_state.get("routing")
+    if plan.router is not None and routing and {ev["name"] for ev in routing.get("evidence", [])} == set(plan.router.evidence):
+        plan.router = ExpertiseRouter.from_dict(routing)
+    speculation = policy_state.get("speculation")
+    if plan.depth is not None and speculation:
+        plan.depth = DepthChooser(RequestSpeculation(**speculation))
+
+
 @dataclass
 class RequestPlan:
     """How one request speculates: its switches, the drafters fusion may use, and the per-request policies."""
@@ -148,7 +176,11 @@ class LiveRequest:
     prompt: list[int]
     queue: asyncio.Queue  # Emissions for the Submit stream
     submit_context: dict  # the Submit span's trace context: the parent of each round's span
-    stream: int = -1  # generation of the VerifySteps stream the verifier opened it on
+    verifier: Endpoint | None = None  # the verifier replica the request is placed on (its lane in the step loop)
+    stream: int = -1  # generation of that verifier's VerifySteps stream the request was opened on
+    epoch: int = 0  # the owner fence in Redis (cosine.common.state)
+    resumed: bool = False  # taken over from Redis (another scheduler's, or this one's, broken stream)
+    sent: int = 0  # output tokens sent on the Submit stream so far (the next one's index)
     fusion_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _round: object = None
 
@@ -162,6 +194,15 @@ class LiveRequest:
         if self._round is not None:
             self._round.end()
             self._round = None
+
+
+class Handover(Exception):
+    """The request leaves this scheduler with everything committed in Redis: its caller resumes it elsewhere."""
+
+
+class TakenOver(ServiceError):
+    def __init__(self, request_id: str):
+        super().__init__(grpc.StatusCode.ABORTED, f"request {request_id} was taken over by another scheduler (resumed)")
 
 
 def _entry_error(error: verifier_pb2.VerifyEntryError) -> ServiceError:
@@ -180,12 +221,22 @@ def tree_depth(parents) -> int:
     return max(depth, default=0)
 
 
+@dataclass
+class VerifierLane:
+    """The scheduler's VerifySteps stream to one verifier replica."""
+
+    endpoint: Endpoint
+    call: object = None  # opened with the first step
+    generation: int = 0  # bumped whenever the stream is (re)opened or breaks: requests opened on an older one are gone
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one exchange at a time (a failover replays on another lane)
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(
         self,
         store: RequestStore,
-        verifier: verifier_pb2_grpc.VerifierStub,
-        fusion: fusion_pb2_grpc.FusionStub,
+        verifiers: EndpointPool,
+        fusions: EndpointPool,
         config: SchedulerConfig,
         metrics: SchedulerMetrics,
         tracing: Tracing | None = None,
@@ -193,13 +244,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ):
         self.clock = clock or MonotonicClock()  # the step loop's and the controller's (`cosine plan` runs a simulated one)
         self.store = store
-        self.verifier = verifier
-        self.fusion = fusion
+        self.verifiers = verifiers
+        self.fusions = fusions
         self.config = config
         self.metrics = metrics
         self.tracing = tracing or Tracing("scheduler")
-        self.live: set[str] = set()
+        self.live: dict[str, object] = {}  # request id → its LiveRequest (a placeholder while it starts)
         metrics.live.set_function(lambda: len(self.live))
+        self.max_admitted = 0  # admission: most live requests; 0: the ready verifiers' KV slots
+        self.draining = False  # SIGTERM: new requests are refused, live ones finish or are handed over
+        self._heartbeat: asyncio.Task | None = None
         sw = config.switches
         self.costs = CostModel()
         self.load = LoadMeter(self.clock.now())
@@ -214,8 +268,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                              clock=self.clock, max_depth=config.max_depth, on_step=self._on_step)
         self.gate = SpeculationGate(window_s=config.gate_window_s) if config.gate_window_s > 0 else None
         metrics.gate.set_function(lambda: 1 if self.gate is None or self.gate.speculating else 0)
-        self._steps_call = None  # the VerifySteps stream, opened with the first step
-        self._steps_generation = 0
+        self.lanes: dict[str, VerifierLane] = {}  # verifier endpoint name -> its stream
+        self._opened_on: dict[str, str] = {}  # request id -> the lane it is open on (until released)
+
+    @property
+    def max_requests(self) -> int:
+        """Admission: most live requests (0: no limit) — max_admitted, else the KV slots the ready verifiers
+        report (their load reports' capacity; unknown while any ready one reports none)."""
+        if self.max_admitted:
+            return self.max_admitted
+        ready = [e for e in self.verifiers.endpoints() if e.healthy and e.report is not None]
+        return sum(e.report.capacity for e in ready) if ready and all(e.report.capacity for e in ready) else 0
 
     def plan(self, request: scheduler_pb2.SubmitRequest) -> RequestPlan:
         """Resolve a request's switches and drafters (see the module's notes on routing)."""
@@ -256,45 +319,118 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 f"prompt ({len(prompt)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the target's context "
                 f"limit of {self.config.max_context} tokens: shorten the prompt or ask for fewer tokens"
             )
+        if self.draining:  # its caller resubmits it elsewhere at once, as it does a handed-over request
+            yield scheduler_pb2.SubmitResponse(request_id=rid, handover=scheduler_pb2.Handover(
+                reason="this scheduler is shutting down; submit the request to another"))
+            return
+        if rid in self.live:
+            if not request.resume:
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
+            self._evict(rid, TakenOver(rid))  # this scheduler's own earlier stream of it broke: the resume replaces it
+        elif self.max_requests and len(self.live) >= self.max_requests:  # admission: what the verifier's KV slots hold
+            raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"the server is at capacity ({self.max_requests} requests in progress); retry later, with backoff")
+        mine = [object()]  # this Submit's entry in self.live (its LiveRequest once it runs)
+        self.live[rid] = mine[0]  # counted at once, so concurrent Submits cannot all pass the check
+        try:
+            async for reply in self._run(request, context, mine):
+                yield reply
+        finally:
+            if self.live.get(rid) is mine[0]:
+                del self.live[rid]
+
+    async def _run(self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext, mine: list):
+        rid = request.request_id
         plan = self.plan(request)
         drafters = plan.pool
-        sampling = request.sampling
-        created = await self.store.create(
-            rid,
-            prompt,
-            {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
-             "top_k": sampling.top_k, "seed": sampling.seed},
-            {"max_new_tokens": request.max_new_tokens, "drafters": drafters, "depth": plan.fixed_depth,
-             "stop_token_ids": list(request.stop_token_ids)},
-        )
-        if not created:
-            raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
-        self.live.add(rid)
+        state = await self.store.take_over(rid) if request.resume else None
+        if state is not None and state.status == "finished":  # it ended before its caller heard: send the rest
+            tokens = state.token_ids[request.resume_from:]
+            if tokens:
+                yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
+                    token_ids=tokens, start_index=request.resume_from))
+            stats = common_pb2.Stats(rounds=state.rounds, drafted_tokens=state.drafted, accepted_tokens=state.accepted)
+            yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
+                finish_reason=common_pb2.FinishReason.Value(state.finish_reason or "FINISH_REASON_LENGTH"), stats=stats))
+            return
+        verifier = self.verifiers.pick()  # UNAVAILABLE before anything is stored when none is ready
+        fusion = self.fusions.pick() if plan.speculate else None
+        if state is None:  # a new request (or one whose state never reached Redis): from this message
+            prompt, generated = list(request.prompt_token_ids), []
+            sampling = request.sampling
+            max_new, stop = request.max_new_tokens, list(request.stop_token_ids)
+            try:
+                epoch = await self.store.create(
+                    rid, prompt,
+                    {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
+                     "top_k": sampling.top_k, "seed": sampling.seed},
+                    {"max_new_tokens": max_new, "drafters": drafters, "depth": plan.fixed_depth, "stop_token_ids": stop},
+                )
+            except BaseException:
+                self._unplace(verifier, fusion)
+                raise
+            if not epoch:
+                self._unplace(verifier, fusion)
+                raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
+        else:  # taken over: Redis is the source of truth (tokens, the seed, limits, what routing and depth learnt)
+            prompt, generated, epoch = state.prompt_token_ids, state.token_ids, state.epoch
+            sp = state.sampling
+            sampling = common_pb2.SamplingParams(temperature=sp.get("temperature", 0.0), top_p=sp.get("top_p", 1.0),
+                                                 top_k=sp.get("top_k", 0), seed=sp.get("seed", 0))
+            max_new = int(state.params.get("max_new_tokens", request.max_new_tokens))
+            stop = list(state.params.get("stop_token_ids", request.stop_token_ids))
+            restore_plan(plan, state.policy)
         status, reason = "failed", ""
         timeout = context.time_remaining()
         metadata = self.tracing.metadata()  # the streams' server spans are children of this Submit
-        spec_call = self.fusion.Speculate(timeout=timeout, metadata=metadata) if plan.speculate else None
-        live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier())
+        spec_call = (fusion_pb2_grpc.FusionStub(fusion.channel).Speculate(timeout=timeout, metadata=metadata)
+                     if fusion is not None else None)
+        live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier(), verifier, epoch=epoch,
+                           resumed=state is not None, sent=request.resume_from if state is not None else 0)
+        if self.live.get(rid) is mine[0]:
+            self.live[rid] = mine[0] = live
+        self._ensure_heartbeat()
         try:
+            if state is not None and live.sent < len(generated):  # committed, but its caller never got them
+                yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
+                    token_ids=generated[live.sent:], start_index=live.sent))
+                live.sent = len(generated)
             if spec_call is not None:
+                score = plan.router is not None and not (state is not None and state.policy and "routing" in state.policy)
                 opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
-                    request_id=rid, prompt_token_ids=prompt, drafters=drafters, fusion=FUSION_MODES[plan.switches.fusion],
-                    score_prompt=plan.router is not None))
-                if plan.router is None:
+                    request_id=rid, prompt_token_ids=prompt + generated, drafters=drafters,
+                    fusion=FUSION_MODES[plan.switches.fusion], score_prompt=score))
+                if not score:
                     await spec_call.write(opening)
                 else:  # routing's prior: every candidate prefills the prompt and says how well it predicted it
                     with self.tracing.span("scheduler.score_prompt", {"cosine.drafters": len(drafters)}):
                         scored = await exchange(spec_call, opening, "fusion")
                     self._prior(plan.router, scored.prompt_fits)
-            entry = Request(rid, len(prompt), request.max_new_tokens, self.config.max_context,
-                            frozenset(request.stop_token_ids), payload=live)
+            entry = Request(rid, len(prompt), max_new, self.config.max_context, frozenset(stop), payload=live,
+                            lane=verifier.name)
+            if state is not None:
+                entry.generated, entry.step = list(generated), state.step
+                entry.rounds, entry.drafted, entry.accepted = state.rounds, state.drafted, state.accepted
+            finish = self._ended(entry, generated) if state is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+            if finish != common_pb2.FINISH_REASON_UNSPECIFIED:  # its last round was committed before its owner died
+                status, reason = "finished", common_pb2.FinishReason.Name(finish)
+                yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
+                    finish_reason=finish, stats=common_pb2.Stats(rounds=entry.rounds, drafted_tokens=entry.drafted,
+                                                                 accepted_tokens=entry.accepted)))
+                return
             self.loop.add(entry)
-            while True:  # the step loop emits this request's rounds into its queue
-                emission: Emission = await live.queue.get()
+            while True:
+                emission: Emission = await live.queue.get()  # the step loop emits this request's rounds into its queue
+                if isinstance(emission.error, Handover):
+                    status = "handed_over"
+                    yield scheduler_pb2.SubmitResponse(request_id=rid, handover=scheduler_pb2.Handover(reason=str(emission.error)))
+                    return
                 if emission.error is not None:
                     raise emission.error
                 yield scheduler_pb2.SubmitResponse(request_id=rid, tokens=scheduler_pb2.CommittedTokens(
-                    token_ids=emission.token_ids, drafted_tokens=emission.drafted, accepted_tokens=emission.accepted))
+                    token_ids=emission.token_ids, drafted_tokens=emission.drafted, accepted_tokens=emission.accepted,
+                    start_index=live.sent))
+                live.sent += len(emission.token_ids)
                 if emission.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     status, reason = "finished", common_pb2.FinishReason.Name(emission.finish_reason)
                     stats = common_pb2.Stats(rounds=entry.rounds, drafted_tokens=entry.drafted, accepted_tokens=entry.accepted,
@@ -305,15 +441,90 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except (asyncio.CancelledError, GeneratorExit):  # the caller went away: cancelled, or closed while we waited at a yield
             status = "cancelled"
             raise
+        except TakenOver:
+            status = "taken_over"
+            raise
         finally:
-            self.loop.cancel(rid)
+            if self.loop.requests.get(rid) is not None and self.loop.requests[rid].payload is live:
+                self.loop.cancel(rid)
             live.end_round()
             close_quietly(spec_call)
-            self.live.discard(rid)
+            self._unplace(live.verifier, fusion)  # failover may have moved it to another verifier
+            if status not in ("handed_over", "taken_over"):  # the request's next owner writes its state from now on
+                try:
+                    await asyncio.shield(self.store.finish(rid, status, reason, epoch=live.epoch))
+                except Exception:  # noqa: BLE001 - the TTL set at creation still bounds the state
+                    log.warning("could not mark request %s %s in Redis", rid, status, exc_info=True)
+
+    @staticmethod
+    def _ended(entry: Request, generated: list[int]) -> int:
+        """The finish reason of a resumed request whose committed tokens already end it (0: it goes on)."""
+        if generated and generated[-1] in entry.stop_token_ids:
+            return common_pb2.FINISH_REASON_EOS
+        if len(generated) >= entry.max_new_tokens:
+            return common_pb2.FINISH_REASON_LENGTH
+        if entry.context_used >= entry.max_context:
+            return common_pb2.FINISH_REASON_CONTEXT
+        return common_pb2.FINISH_REASON_UNSPECIFIED
+
+    def _evict(self, rid: str, error: BaseException) -> None:
+        """End a live request here with `error` on its Submit stream (a Handover, or fenced off: TakenOver)."""
+        live = self.live.get(rid)
+        self.loop.cancel(rid)
+        if isinstance(live, LiveRequest):
+            live.queue.put_nowait(Emission(error=error))
+
+    def _ensure_heartbeat(self) -> None:
+        if self._heartbeat is None or self._heartbeat.done():
+            self._heartbeat = asyncio.get_running_loop().create_task(self._renew_leases())
+
+    async def _renew_leases(self) -> None:
+        """Keep the leases of the requests this scheduler owns alive in Redis (a third of the lease apart), and end
+        the ones another scheduler took over."""
+        interval = max(0.05, self.store.lease_ms / 3000)
+        while True:
+            await asyncio.sleep(interval)
+            owned = [(rid, live.epoch) for rid, live in self.live.items() if isinstance(live, LiveRequest)]
+            if not owned:
+                continue
             try:
-                await asyncio.shield(self.store.finish(rid, status, reason))
-            except Exception:  # noqa: BLE001 - the TTL set at creation still bounds the state
-                log.warning("could not mark request %s %s in Redis", rid, status, exc_info=True)
+                kept = await self.store.renew_many(owned)
+            except Exception:  # noqa: BLE001 - Redis is down: commits fail with UNAVAILABLE meanwhile
+                log.debug("could not renew leases", exc_info=True)
+                continue
+            for (rid, epoch), ok in zip(owned, kept):
+                live = self.live.get(rid)
+                if not ok and isinstance(live, LiveRequest) and live.epoch == epoch:
+                    self._evict(rid, TakenOver(rid))
+
+    async def drain(self, handover_after_s: float) -> None:
+        """SIGTERM: refuse new requests; let live ones finish for `handover_after_s`, then hand the rest over
+        (their callers resume them elsewhere from Redis). Their verifier caches are released first, so the
+        next owner can open them at once."""
+        self.draining = True
+        deadline = time.monotonic() + handover_after_s
+        while self.live and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        leaving = [(rid, live) for rid, live in self.live.items() if isinstance(live, LiveRequest)]
+        if not leaving:
+            return
+        log.info("handing %d requests over (drain)", len(leaving))
+        for rid, _ in leaving:
+            self.loop.cancel(rid)
+        waited = time.monotonic()
+        while not self.loop.quiet and time.monotonic() - waited < 2.0:  # the releases reach the verifier
+            await asyncio.sleep(0.01)
+        for rid, live in leaving:
+            live.queue.put_nowait(Emission(error=Handover("the scheduler is shutting down; resume the request elsewhere")))
+        waited = time.monotonic()
+        while self.live and time.monotonic() - waited < 2.0:  # the streams carry the handover out
+            await asyncio.sleep(0.01)
+
+    def _unplace(self, verifier: Endpoint, fusion: Endpoint | None) -> None:
+        """The request no longer holds its verifier and fusion replicas (their pools count it no more)."""
+        self.verifiers.release(verifier)
+        if fusion is not None:
+            self.fusions.release(fusion)
 
     def _round_plan(self, plan: RequestPlan, room: int) -> tuple[int, list[str], int]:
         """(depth, drafters, tree budget) of the next round; `room` caps the depth (length, context)."""
@@ -342,12 +553,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self.gate is None or self.gate.speculate(self.clock.now(), self.loop.live)
 
     def _control(self) -> None:
-        """Move the global caps from the verifier's load, at most every control_interval_s."""
+        """Move the global caps from the verifiers' load, at most every control_interval_s: this scheduler's own
+        reading, and what the verifiers it uses report (other schedulers' requests included)."""
         now = self.clock.now()
         if now - self._controlled_at >= self.config.control_interval_s:
             self._controlled_at = now
             idle, queue = self.load.read(now)
-            self.controller.update_load(idle, queue)
+            used = {live.verifier.name for live in (r.payload for r in self.loop.requests.values()) if live.verifier}
+            endpoints = self.verifiers.endpoints() if self.verifiers is not None else []
+            reports = [(e.busy_share, e.report.queued) for e in endpoints
+                       if e.name in used and e.healthy and e.report is not None]
+            self.controller.update_load(*verifier_load(idle, queue, reports))
 
     # -- the step loop's ports (cosine.scheduler.steploop) over fusion, the verifier and Redis ------------
 
@@ -363,6 +579,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Draft the next round while this one is verified (pipelining with one request in flight), assuming this
         round's main chain is accepted whole, unless it would not hide behind the verification."""
         live: LiveRequest = request.payload
+        report = live.verifier.report if live.verifier is not None else None
+        if report is not None:  # requests of other schedulers on the same verifier count too
+            live_count = max(live_count, report.live_requests)
         if live.spec_call is None or not live.plan.switches.pipelining or live_count != 1:
             return None
         if live.plan.depth is not None and self.gate is not None and not self.gate.speculating:
@@ -390,18 +609,44 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         tree = DraftTree(list(reply.tree.token_ids), list(reply.tree.parents), list(reply.tree.probs))
         return Draft(tree, list(order.drafters), reply.draft_ms / 1000, reply)
 
-    async def verify(self, rounds, opens, releases) -> list:
-        """One step on the long-lived VerifySteps stream: releases, opens, then every round in one message."""
-        if self._steps_call is None or self._steps_call.done():  # (re)open: requests opened on an old stream are gone
-            self._steps_generation += 1
-            self._steps_call = self.verifier.VerifySteps()
+    def _lane_of(self, rounds, opens, releases) -> VerifierLane | None:
+        """The verifier of a step: the step loop forms every step from one lane's requests."""
+        if rounds or opens:
+            endpoint = (rounds[0][0] if rounds else opens[0]).payload.verifier
+        else:
+            name = next((self._opened_on[rid] for rid in releases if rid in self._opened_on), None)
+            lane = self.lanes.get(name) if name is not None else None
+            return lane
+        lane = self.lanes.get(endpoint.name)
+        if lane is None:
+            lane = self.lanes[endpoint.name] = VerifierLane(endpoint)
+        return lane
+
+    async def verify(self, rounds, opens, releases, failovers: int = 2) -> list:
+        """One step on the lane's long-lived VerifySteps stream: releases, opens, then every round in one message.
+        A broken stream moves the lane's requests to other verifiers (`failovers` times at most; see the module)."""
+        lane = self._lane_of(rounds, opens, releases)
+        for rid in releases:
+            self._opened_on.pop(rid, None)
+        if lane is None:
+            return [ServiceError(grpc.StatusCode.INTERNAL, "a step without a verifier")] * len(rounds)
+        if not rounds and not opens and (lane.call is None or lane.call.done()):
+            return []  # releases only, and the stream they were open on is gone: nothing holds them any more
+        if lane.call is None or lane.call.done():  # (re)open: requests opened on an old stream are gone
+            lane.generation += 1
+            lane.call = verifier_pb2_grpc.VerifierStub(lane.endpoint.channel).VerifySteps()
+        opening = {r.request_id for r in opens}
+        # requests opened on an older stream of this verifier (it restarted): open them again, with what they committed
+        opens = list(opens) + [r for r, _ in rounds if r.request_id not in opening and r.payload.stream != lane.generation]
         entries = [verifier_pb2.VerifyEntry(request_id=rid, release=verifier_pb2.VerifyRelease()) for rid in releases]
         for request in opens:
             live: LiveRequest = request.payload
+            committed = live.prompt + list(request.generated)
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, open=verifier_pb2.VerifyOpen(
-                request_id=request.request_id, committed_token_ids=live.prompt, sampling=live.sampling,
+                request_id=request.request_id, committed_token_ids=committed, sampling=live.sampling,
                 prompt_len=len(live.prompt))))
-            live.stream = self._steps_generation
+            live.stream = lane.generation
+            self._opened_on[request.request_id] = lane.endpoint.name
         spans = []
         for request, tree in rounds:
             live = request.payload
@@ -415,26 +660,34 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         now = self.clock.now()
         for _ in rounds:
             self.load.enter(now)
+        broken = None
         try:
-            reply = await self._step(verifier_pb2.VerifyStep(entries=entries))
-        except Exception as exc:  # noqa: BLE001 - every round of the step fails with it
-            return [exc] * len(rounds)
+            reply = await self._step(lane, verifier_pb2.VerifyStep(entries=entries))
+        except Exception as exc:  # noqa: BLE001 - the stream broke: fail over, or every round of the step fails with it
+            broken = exc
         finally:
             now = self.clock.now()
             for span in spans:
                 span.end()
             for _ in rounds:
                 self.load.leave(now)
+        if broken is not None:
+            if failovers <= 0 or not rounds:
+                return [broken] * len(rounds)
+            return await self._failover(lane, rounds, broken, failovers - 1)
         results = list(reply.results)
         failed_open: dict[str, BaseException] = {}
         for request, result in zip(opens, results[:len(opens)]):
             if result.WhichOneof("kind") == "error":
                 failed_open[request.request_id] = _entry_error(result.error)
+                if request.payload.resumed and result.error.code == grpc.StatusCode.ALREADY_EXISTS.value[0]:
+                    # its previous scheduler's stream still holds it at the verifier (that stream is going away)
+                    failed_open[request.request_id] = Handover("the request's previous scheduler still holds it; resume it again")
         out: list = []
         for (request, _), result in zip(rounds, results[len(opens):]):
             if request.request_id in failed_open:
                 out.append(failed_open[request.request_id])
-            elif request.payload.stream != self._steps_generation:
+            elif request.payload.stream != lane.generation:
                 out.append(ServiceError(grpc.StatusCode.UNAVAILABLE, "the verifier restarted while the request ran: retry it"))
             elif result.WhichOneof("kind") == "error":
                 out.append(_entry_error(result.error))
@@ -444,21 +697,64 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         out += [ServiceError(grpc.StatusCode.INTERNAL, "the verifier answered fewer rounds than it was sent")] * (len(rounds) - len(out))
         return out
 
-    async def _step(self, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
+    async def _step(self, lane: VerifierLane, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
+        call = lane.call
         try:
-            return await exchange(self._steps_call, message, "verifier")
-        except BaseException:
-            close_quietly(self._steps_call)  # the verifier frees what the stream held; requests on it fail
-            self._steps_call = None
-            self._steps_generation += 1
+            async with lane.lock:
+                return await exchange(call, message, "verifier")
+        except BaseException as exc:
+            if lane.call is not call:  # broken (and handled) while this step waited for the lock
+                raise
+            close_quietly(lane.call)  # the verifier frees what the stream held; requests on it fail
+            lane.call = None
+            lane.generation += 1
+            if not isinstance(exc, asyncio.CancelledError):
+                self.verifiers.mark_down(lane.endpoint)  # no new requests there until its health check passes
             raise
+
+    def _move(self, request: Request, target: Endpoint) -> None:
+        """Place a request on another verifier (picked for it): it opens there with its next step."""
+        live: LiveRequest = request.payload
+        self.verifiers.release(live.verifier)
+        live.verifier = target
+        request.lane = target.name
+        request.opened = False
+        self._opened_on.pop(request.request_id, None)
+        self.metrics.failovers.inc()
+
+    async def _failover(self, lane: VerifierLane, rounds, broken: BaseException, failovers: int) -> list:
+        """The lane's stream broke during a step: move every request open on it to other ready verifiers, verify
+        this step's rounds again there now (opening them with their committed tokens), and return their results."""
+        gone = lane.endpoint
+        in_step = {r.request_id for r, _ in rounds}
+        others = frozenset({gone})
+        try:
+            for request in list(self.loop.requests.values()):  # not in this step: they reopen with their next round
+                if request.request_id not in in_step and request.payload.verifier is gone:
+                    self._move(request, self.verifiers.pick(exclude=others))
+            groups: dict[str, list] = {}
+            for request, tree in rounds:
+                self._move(request, self.verifiers.pick(exclude=others))
+                groups.setdefault(request.lane, []).append((request, tree))
+        except ServiceError as none:  # no other verifier is ready: the step fails as the stream did
+            log.warning("verifier stream broke and no other verifier is ready: %d rounds fail", len(rounds))
+            return [none] * len(rounds)
+        log.warning("verifier stream broke (%s): %d requests of the step move to %s", type(broken).__name__, len(rounds),
+                    sorted(groups))
+        for group in groups.values():
+            for request, _ in group:
+                request.opened = True  # opened by the replay below
+        outcomes = await asyncio.gather(*(self.verify(group, [r for r, _ in group], [], failovers) for group in groups.values()))
+        results = {r.request_id: result for group, out in zip(groups.values(), outcomes) for (r, _), result in zip(group, out)}
+        return [results[r.request_id] for r, _ in rounds]
 
     async def commit(self, rounds) -> list:
         spans = [self.tracing.start("scheduler.commit", {"cosine.committed_tokens": len(tokens)},
                                     parent=request.payload.round_span(self.tracing)) for request, tokens, _, _ in rounds]
         try:
             return await self.store.commit_many([(request.request_id, request.step, tokens, drafted, accepted,
-                                                  request.payload.plan.state()) for request, tokens, drafted, accepted in rounds])
+                                                  request.payload.plan.state(), request.payload.epoch)
+                                                 for request, tokens, drafted, accepted in rounds])
         except Exception as exc:  # noqa: BLE001 - Redis is gone: every round of the step fails with it
             return [exc] * len(rounds)
         finally:
@@ -506,8 +802,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics.step_seconds.observe(seconds)
 
     async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         await self.loop.close()
-        close_quietly(self._steps_call)
+        for lane in self.lanes.values():
+            close_quietly(lane.call)
 
     def _learn(self, plan: RequestPlan, reply, depth, n_drafters, chain, accepted, target_tokens, draft_s, verify_s, nodes,
                round_s) -> None:

@@ -19,6 +19,11 @@ loop:
    the step's rounds at once (one call of the commit port), streams each
    request's tokens, and launches the next drafts right away.
 
+**Lanes.** A request stays on the verifier it was opened on (its KV cache lives there):
+``Request.lane`` names that verifier (the adapter sets it; None when there is one). Each lane
+has its own steps — one in flight per lane at a time, batches formed from that lane's
+requests, releases sent on it — so several verifiers verify at once.
+
 So with two groups of requests, the drafters draft group B while the verifier
 checks group A, and the other way round (the paper's pipelining, at any
 concurrency); with speculation off every live request joins every step. With
@@ -113,6 +118,7 @@ class Request:
     max_context: int
     stop_token_ids: frozenset[int] = frozenset()
     payload: Any = None
+    lane: Any = None  # the verifier the request is opened on (its steps go there; see the module's notes)
     # loop state
     state: str = IDLE
     generated: list[int] = field(default_factory=list)
@@ -221,9 +227,9 @@ class StepLoop:
         self.smoothing = smoothing
         self.on_step = on_step  # (batch size, seconds) after each verification step
         self.requests: dict[str, Request] = {}
-        self._releases: list[str] = []
+        self._releases: dict[Any, list[str]] = {}  # lane -> request ids to release on it
         self._wake = asyncio.Event()
-        self._step: tuple[asyncio.Task, list[tuple[Request, DraftTree]], float] | None = None
+        self._steps: dict[Any, tuple[asyncio.Task, list[tuple[Request, DraftTree]], float]] = {}  # lane -> step in flight
         self._step_estimate: float | None = None  # EWMA of step wall times
         self._draft_estimate: float | None = None  # EWMA of all draft wall times
         self._task: asyncio.Task | None = None
@@ -250,6 +256,11 @@ class StepLoop:
     def live(self) -> int:
         return len(self.requests)
 
+    @property
+    def quiet(self) -> bool:
+        """No step in flight and no release waiting to be sent (a drain waits for this before handing over)."""
+        return not self._steps and not any(self._releases.values())
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -274,9 +285,9 @@ class StepLoop:
                 raise
             except Exception as exc:  # noqa: BLE001 - a port broke its contract: fail what is live, keep serving
                 log.exception("step loop: failing %d live requests", len(self.requests))
-                if self._step is not None:
-                    self._step[0].cancel()
-                    self._step = None
+                for task, *_ in self._steps.values():
+                    task.cancel()
+                self._steps.clear()
                 for request in list(self.requests.values()):
                     self._fail(request, exc)
                 timeout = None
@@ -284,14 +295,18 @@ class StepLoop:
 
     async def _turn(self) -> float | None:
         """One turn of the loop; returns how long to wait for the next event at most (None: no limit)."""
-        if self._step is not None and self._step[0].done():
-            await self._finish_step()
+        for lane in [lane for lane, (task, *_) in self._steps.items() if task.done()]:
+            await self._finish_step(lane)
         self._launch()
         timeout = None
-        if self._step is None:
-            timeout = self._maybe_step()
-        if self._step is None and self._releases and not any(r.state == VERIFYING for r in self.requests.values()):
-            self._start_step([], [])  # nothing to verify: the releases go on their own
+        for lane in dict.fromkeys(r.lane for r in self.requests.values() if r.state == READY):
+            if lane not in self._steps:
+                wait = self._maybe_step(lane)
+                if wait is not None:
+                    timeout = wait if timeout is None else min(timeout, wait)
+        for lane in [lane for lane, rids in self._releases.items() if rids]:
+            if lane not in self._steps and not any(r.state == VERIFYING and r.lane == lane for r in self.requests.values()):
+                self._start_step(lane, [], [])  # nothing to verify there: the releases go on their own
         return timeout
 
     async def _wait(self, timeout: float | None) -> None:
@@ -387,10 +402,11 @@ class StepLoop:
             return estimate - elapsed
         return elapsed
 
-    def _maybe_step(self) -> float | None:
-        """Start a step if it pays now; else the seconds after which to look again (None: on the next event)."""
+    def _maybe_step(self, lane: Any = None) -> float | None:
+        """Start a step on the lane if it pays now; else the seconds after which to look again (None: on the next event)."""
         now = self.clock.now()
-        ready = [r for r in self.requests.values() if r.state == READY]
+        on_lane = [r for r in self.requests.values() if r.lane == lane]
+        ready = [r for r in on_lane if r.state == READY]
         if not ready:
             return None
         pool = []
@@ -400,10 +416,10 @@ class StepLoop:
                                      expected_tokens=expected_committed(tree)))
         choice = choose_batch(pool, self.time_model, self.limits)
         chosen = [self.requests[rid] for rid in choice.request_ids]
-        drafting = sorted((self._remaining(r, now), r.request_id) for r in self.requests.values() if r.state == DRAFTING)
-        room = (self.limits.max_requests or len(self.requests)) - len(chosen)
+        drafting = sorted((self._remaining(r, now), r.request_id) for r in on_lane if r.state == DRAFTING)
+        room = (self.limits.max_requests or len(on_lane)) - len(chosen)
         if drafting and room > 0 and self._step_estimate is not None:
-            longest = max(r.context_used for r in self.requests.values())
+            longest = max(r.context_used for r in on_lane)
             largest = max([len(r.draft.tree) for r in chosen if r.draft is not None] + [0])
             remaining = [s for s, _ in drafting[:room]]
             k = drafts_to_wait_for(len(chosen), remaining, lambda n: self.predict_step(n, longest, largest))
@@ -418,18 +434,18 @@ class StepLoop:
             if keep is not None and keep < len(tree):
                 tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.probs[:keep])
             rounds.append((r, tree))
-        self._start_step(rounds, [r for r in chosen if not r.opened])
+        self._start_step(lane, rounds, [r for r in chosen if not r.opened])
         return None
 
-    def _start_step(self, rounds: list[tuple[Request, DraftTree]], opens: list[Request]) -> None:
-        releases, self._releases = self._releases, []
+    def _start_step(self, lane: Any, rounds: list[tuple[Request, DraftTree]], opens: list[Request]) -> None:
+        releases = self._releases.pop(lane, [])
         for request in opens:
             request.opened = True
         for request, _ in rounds:
             request.state = VERIFYING
         task = asyncio.get_running_loop().create_task(self.ports.verify(rounds, opens, releases))
         task.add_done_callback(lambda _: self._wake.set())
-        self._step = (task, rounds, self.clock.now())
+        self._steps[lane] = (task, rounds, self.clock.now())
         if rounds:
             self.steps.append([r.request_id for r, _ in rounds])
         live = len(self.requests)
@@ -451,9 +467,8 @@ class StepLoop:
         order.context = main
         request.ahead = (asyncio.get_running_loop().create_task(self.ports.draft(request, order)), main, order)
 
-    async def _finish_step(self) -> None:
-        task, rounds, started = self._step
-        self._step = None
+    async def _finish_step(self, lane: Any = None) -> None:
+        task, rounds, started = self._steps.pop(lane)
         now = self.clock.now()
         seconds = now - started
         try:
@@ -564,4 +579,4 @@ class StepLoop:
         request.task, request.ahead = None, None
         self.requests.pop(request.request_id, None)
         if request.opened:
-            self._releases.append(request.request_id)
+            self._releases.setdefault(request.lane, []).append(request.request_id)

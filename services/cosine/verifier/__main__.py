@@ -11,6 +11,7 @@ from pydantic import Field
 from cosine.common.config import ModelSettings
 from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
+from cosine.common.v1 import common_pb2
 from cosine.scheduler.batching import BatchLimits
 from cosine.verifier.batcher import BatchStep, VerifyBatcher
 from cosine.verifier.service import VerifierServicer
@@ -84,10 +85,12 @@ async def serve(settings: VerifierSettings) -> GrpcService:
                          deadline_s=settings.deadline_ms / 1000 if settings.deadline_ms else None)
     batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=on_batch, policy=settings.batch_policy, limits=limits)
     servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing,
-                                batcher)
+                                batcher, opened=m.requests_opened.labels("verifier"))
     slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)
     slots.set_function(lambda: len(engine))
     service.servicer = servicer
+    service.report_load = lambda: common_pb2.LoadReport(live_requests=servicer.slots_taken, capacity=settings.max_slots,
+                                                        queued=batcher.unanswered, busy_seconds=worker.busy_s)
     await service.start()
     await service.set_ready()
     if settings.wedged_after_s:

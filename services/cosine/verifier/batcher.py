@@ -92,6 +92,7 @@ class VerifyBatcher:
         self._on_batch = on_batch  # called with a BatchStep after each batch
         self._chain_only = not engine.verifies_trees  # the transformers backend verifies the main chain
         self._queue: list[_Pending] = []
+        self.unanswered = 0  # rounds submitted and not yet answered (waiting or in the running step): reported as load
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
@@ -105,9 +106,14 @@ class VerifyBatcher:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         future = asyncio.get_running_loop().create_future()
+        self.unanswered += 1
+        future.add_done_callback(self._answered)
         self._queue.append(_Pending(request_id, tree, sampling, future, self.clock()))
         self._wakeup.set()
         return future
+
+    def _answered(self, _future) -> None:
+        self.unanswered -= 1
 
     # -- the choice (event-loop thread; no model calls) ----------------------------------
 

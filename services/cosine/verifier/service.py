@@ -32,7 +32,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine, worker: ModelWorker, name: str = "target", tokenizer_hash: str = "", max_slots: int = 256,
-                 tracing: Tracing | None = None, batcher: VerifyBatcher | None = None):
+                 tracing: Tracing | None = None, batcher: VerifyBatcher | None = None, opened=None):
         self.engine = engine
         self.batcher = batcher or VerifyBatcher(engine, worker)
         self.tracing = tracing or Tracing("verifier")
@@ -44,6 +44,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # so two concurrent opens cannot both pass the check for the last slot
         self.slots_taken = 0
         self.open_ids: set[str] = set()  # request ids a stream holds here: a second open of one is refused
+        self.opened = opened  # a Counter (child) of requests opened here, or None
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -116,6 +117,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                                 self.open_ids.discard(rid)
                                 self.slots_taken -= 1
                                 raise
+                            if self.opened is not None:
+                                self.opened.inc()
                             results.append(verifier_pb2.VerifyEntryResult(request_id=rid, opened=verifier_pb2.VerifyOpened()))
                         elif kind == "round":
                             if rid not in held:
@@ -180,6 +183,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     request_id = message.open.request_id
                     self.open_ids.add(request_id)
                     await self.worker.run(self.engine.open, request_id, committed, message.open.prompt_len)
+                    if self.opened is not None:
+                        self.opened.inc()
                 elif kind == "round":
                     if request_id is None:
                         raise invalid("Verify round before open")

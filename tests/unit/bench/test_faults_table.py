@@ -17,3 +17,12 @@ def test_a_row_counts_completed_identical_refusals_and_added_latency():
     assert abs(r.added_latency_s - 1.5) < 1e-9  # median of 2.0 and 4.0, minus 1.5
     text = table([r])
     assert "overload" in text and "/70 ms" in text and "UNAVAILABLE 1" in text
+
+
+def test_a_failover_row_gives_the_streams_hit_and_the_p99_added_latency_per_prompt():
+    reference = {0: [1, 2], 1: [3, 4]}
+    outcomes = [Outcome(0, "OK", [1, 2], 2.5, max_gap_s=1.6), Outcome(1, "OK", [3, 4], 1.1, max_gap_s=0.2)]
+    r = row("scheduler SIGKILLed", outcomes, reference, base_median=1.0, base_gaps={0: 0.1, 1: 0.1}, hit=1)
+    assert r.identical == 2 and r.hit == 1
+    assert abs(r.added_p99_s - 1.5) < 1e-9  # each stream's longest pause against its own prompt's fault-free one
+    assert "+1.50 s" in table([r])

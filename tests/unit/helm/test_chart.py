@@ -127,6 +127,25 @@ def test_termination_grace_covers_prestop_and_drain(renders, name):
         assert spec["terminationGracePeriodSeconds"] > sleep + delay + drain, component
 
 
+@pytest.mark.parametrize("name", RENDER_NAMES)
+def test_termination_grace_covers_a_full_generation_and_schedulers_hand_over_within_it(renders, name):
+    values = helm.Chart.load(CHART).merge_values(load_values(name))
+    generation = values["router"]["defaultTimeoutSeconds"]
+    deps = deployments(renders[name])
+    assert float(env_of(deps["router"]["spec"]["template"]["spec"]["containers"][0])["COSINE_ROUTER_DEFAULT_TIMEOUT_S"]) == generation
+    for component, dep in deps.items():
+        assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > generation, component
+    scheduler = env_of(deps["scheduler"]["spec"]["template"]["spec"]["containers"][0])
+    assert float(scheduler["COSINE_SCHEDULER_HANDOVER_AFTER_S"]) < float(scheduler["COSINE_SCHEDULER_DRAIN_TIMEOUT_S"])
+
+
+def test_a_drain_shorter_than_a_generation_is_refused():
+    with pytest.raises(Exception, match="shorter than router.defaultTimeoutSeconds"):
+        render({"drainTimeoutSeconds": 30})
+    with pytest.raises(Exception, match="handoverAfterSeconds"):
+        render({"scheduler": {"handoverAfterSeconds": 600}})
+
+
 def _settings_from_env(monkeypatch, settings_cls, container):
     for key, value in env_of(container).items():
         if value is not None:

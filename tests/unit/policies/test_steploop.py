@@ -154,9 +154,30 @@ async def run_loop(ports: FakePorts, clock: VirtualClock, requests, at: dict[str
     feeder = asyncio.ensure_future(arrivals())
     ids = {r.request_id for r in requests}
     await clock.run(lambda: feeder.done() and ids <= set(ports.finals) | set(ports.errors), limit_s)
-    await clock.run(lambda: not loop._releases and loop._step is None)  # the ended requests' releases went out
+    await clock.run(lambda: not any(loop._releases.values()) and not loop._steps)  # the ended requests' releases went out
     await loop.close()
     return loop
+
+
+async def test_each_verifier_lane_has_its_own_steps_at_the_same_time():
+    clock = VirtualClock()
+    lanes = {"a": "v0", "b": "v0", "c": "v1", "d": "v1", "e": "v1"}
+    ports = FakePorts(clock, depth={i: 2 for i in lanes}, draft_s={i: 0.02 for i in lanes})
+    requests = []
+    for rid, lane in lanes.items():
+        r = request(rid, 10)
+        r.lane = lane
+        requests.append(r)
+    await run_loop(ports, clock, requests)
+    steps = [(s, t0, t1) for s, t0, t1 in ports.steps if s]
+    assert all(len({lanes[r] for r in s}) == 1 for s, _, _ in steps)  # a step never mixes verifiers
+    v0 = [(t0, t1) for s, t0, t1 in steps if lanes[s[0]] == "v0"]
+    v1 = [(t0, t1) for s, t0, t1 in steps if lanes[s[0]] == "v1"]
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in v0 for b0, b1 in v1)  # the two verifiers verify at once
+    assert all(a1 <= b0 for (_, a1), (b0, _) in zip(v0, v0[1:]))  # one step in flight per verifier
+    assert sorted(ports.releases) == sorted(lanes)
+    for rid in lanes:
+        assert ports.out[rid] == expected(rid, 10)
 
 
 async def test_with_speculation_off_four_requests_are_one_batch_every_step():

@@ -118,3 +118,21 @@ class PromptFit(_message.Message):
     logprob_sum: float
     has_logprob: bool
     def __init__(self, drafter: _Optional[str] = ..., positions: _Optional[int] = ..., hits: _Optional[int] = ..., confidence_sum: _Optional[float] = ..., logprob_sum: _Optional[float] = ..., has_logprob: _Optional[bool] = ...) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadReport(_message.Message):
+    __slots__ = ("ready", "live_requests", "capacity", "queued", "busy_seconds")
+    READY_FIELD_NUMBER: _ClassVar[int]
+    LIVE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ready: bool
+    live_requests: int
+    capacity: int
+    queued: int
+    busy_seconds: float
+    def __init__(self, ready: _Optional[bool] = ..., live_requests: _Optional[int] = ..., capacity: _Optional[int] = ..., queued: _Optional[int] = ..., busy_seconds: _Optional[float] = ...) -> None: ...

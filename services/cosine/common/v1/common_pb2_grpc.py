@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from cosine.common.v1 import common_pb2 as cosine_dot_common_dot_v1_dot_common__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,81 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class LoadStub:
+    """Load of one replica, for callers that choose among a role's replicas (cosine.common.pool).
+    Every CoSine server serves it beside grpc.health.v1; one call answers health and load.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Report = channel.unary_unary(
+                '/cosine.common.v1.Load/Report',
+                request_serializer=cosine_dot_common_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
+                response_deserializer=cosine_dot_common_dot_v1_dot_common__pb2.LoadReport.FromString,
+                _registered_method=True)
+
+
+class LoadServicer:
+    """Load of one replica, for callers that choose among a role's replicas (cosine.common.pool).
+    Every CoSine server serves it beside grpc.health.v1; one call answers health and load.
+    """
+
+    def Report(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_LoadServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Report': grpc.unary_unary_rpc_method_handler(
+                    servicer.Report,
+                    request_deserializer=cosine_dot_common_dot_v1_dot_common__pb2.LoadRequest.FromString,
+                    response_serializer=cosine_dot_common_dot_v1_dot_common__pb2.LoadReport.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'cosine.common.v1.Load', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('cosine.common.v1.Load', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Load:
+    """Load of one replica, for callers that choose among a role's replicas (cosine.common.pool).
+    Every CoSine server serves it beside grpc.health.v1; one call answers health and load.
+    """
+
+    @staticmethod
+    def Report(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/cosine.common.v1.Load/Report',
+            cosine_dot_common_dot_v1_dot_common__pb2.LoadRequest.SerializeToString,
+            cosine_dot_common_dot_v1_dot_common__pb2.LoadReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

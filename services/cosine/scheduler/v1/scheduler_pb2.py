@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cosine.common.v1 import common_pb2 as cosine_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#cosine/scheduler/v1/scheduler.proto\x12\x13\x63osine.scheduler.v1\x1a\x1d\x63osine/common/v1/common.proto\"\xf7\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .cosine.common.v1.SamplingParams\x12\x38\n\x0bspeculation\x18\x05 \x01(\x0b\x32#.cosine.common.v1.SpeculationParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x1a\n\x12\x63\x61ndidate_drafters\x18\x07 \x03(\t\"U\n\x0f\x43ommittedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\"l\n\x0bSubmitFinal\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.cosine.common.v1.FinishReason\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.cosine.common.v1.Stats\"\x97\x01\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x06tokens\x18\x02 \x01(\x0b\x32$.cosine.scheduler.v1.CommittedTokensH\x00\x12\x31\n\x05\x66inal\x18\x03 \x01(\x0b\x32 .cosine.scheduler.v1.SubmitFinalH\x00\x42\x06\n\x04kind2`\n\tScheduler\x12S\n\x06Submit\x12\".cosine.scheduler.v1.SubmitRequest\x1a#.cosine.scheduler.v1.SubmitResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#cosine/scheduler/v1/scheduler.proto\x12\x13\x63osine.scheduler.v1\x1a\x1d\x63osine/common/v1/common.proto\"\x9c\x02\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .cosine.common.v1.SamplingParams\x12\x38\n\x0bspeculation\x18\x05 \x01(\x0b\x32#.cosine.common.v1.SpeculationParams\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\r\x12\x1a\n\x12\x63\x61ndidate_drafters\x18\x07 \x03(\t\x12\x0e\n\x06resume\x18\x08 \x01(\x08\x12\x13\n\x0bresume_from\x18\t \x01(\r\"j\n\x0f\x43ommittedTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x13\n\x0bstart_index\x18\x04 \x01(\r\"\x1a\n\x08Handover\x12\x0e\n\x06reason\x18\x01 \x01(\t\"l\n\x0bSubmitFinal\x12\x35\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1e.cosine.common.v1.FinishReason\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.cosine.common.v1.Stats\"\xca\x01\n\x0eSubmitResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x36\n\x06tokens\x18\x02 \x01(\x0b\x32$.cosine.scheduler.v1.CommittedTokensH\x00\x12\x31\n\x05\x66inal\x18\x03 \x01(\x0b\x32 .cosine.scheduler.v1.SubmitFinalH\x00\x12\x31\n\x08handover\x18\x04 \x01(\x0b\x32\x1d.cosine.scheduler.v1.HandoverH\x00\x42\x06\n\x04kind2`\n\tScheduler\x12S\n\x06Submit\x12\".cosine.scheduler.v1.SubmitRequest\x1a#.cosine.scheduler.v1.SubmitResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cosine.scheduler.v1.schedul
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITREQUEST']._serialized_start=92
-  _globals['_SUBMITREQUEST']._serialized_end=339
-  _globals['_COMMITTEDTOKENS']._serialized_start=341
-  _globals['_COMMITTEDTOKENS']._serialized_end=426
-  _globals['_SUBMITFINAL']._serialized_start=428
-  _globals['_SUBMITFINAL']._serialized_end=536
-  _globals['_SUBMITRESPONSE']._serialized_start=539
-  _globals['_SUBMITRESPONSE']._serialized_end=690
-  _globals['_SCHEDULER']._serialized_start=692
-  _globals['_SCHEDULER']._serialized_end=788
+  _globals['_SUBMITREQUEST']._serialized_end=376
+  _globals['_COMMITTEDTOKENS']._serialized_start=378
+  _globals['_COMMITTEDTOKENS']._serialized_end=484
+  _globals['_HANDOVER']._serialized_start=486
+  _globals['_HANDOVER']._serialized_end=512
+  _globals['_SUBMITFINAL']._serialized_start=514
+  _globals['_SUBMITFINAL']._serialized_end=622
+  _globals['_SUBMITRESPONSE']._serialized_start=625
+  _globals['_SUBMITRESPONSE']._serialized_end=827
+  _globals['_SCHEDULER']._serialized_start=829
+  _globals['_SCHEDULER']._serialized_end=925
 # @@protoc_insertion_point(module_scope)

@@ -46,7 +46,9 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Runs one request to completion, streaming committed tokens as rounds end.
-        Cancelling the call stops the request on every service.
+        Cancelling the call stops the request on every service. A full scheduler
+        ends the call with RESOURCE_EXHAUSTED before any response; a draining one
+        answers with a Handover (submit it elsewhere).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
