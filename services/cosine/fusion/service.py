@@ -14,6 +14,7 @@ import time
 import grpc
 from prometheus_client import Counter
 
+from cosine.common.convert import fusion_mode_name
 from cosine.common.errors import ServiceError, invalid
 from cosine.common.pool import Endpoint, EndpointPool
 from cosine.common.streams import close_quietly, exchange
@@ -26,10 +27,6 @@ from cosine.fusion.health import HealthConfig, HealthView
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-MODES = {common_pb2.FUSION_MODE_UNSPECIFIED: "merge", common_pb2.FUSION_MODE_MERGE: "merge",
-         common_pb2.FUSION_MODE_CONFIDENCE: "confidence", common_pb2.FUSION_MODE_SINGLE: "single"}
 
 
 class FusionMetrics:
@@ -211,11 +208,13 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
         unknown = [n for n in names if n not in self.drafters]
         if unknown:
             raise invalid(f"unknown drafter(s) {unknown}; this fusion node has {sorted(self.drafters)}")
-        if open_msg.fusion not in MODES:
-            raise invalid(f"unknown fusion mode {open_msg.fusion}")
+        try:
+            mode = fusion_mode_name(open_msg.fusion, unspecified="merge")  # unspecified: prefix-merge, the plainest
+        except ValueError as exc:
+            raise invalid(str(exc)) from None
         self._start_probes()
         # drafters out of use after repeated failures are left out: the request drafts with the rest, or not at all
-        req = _Request(open_msg, names, MODES[open_msg.fusion], [n for n in names if self.health.usable(n)])
+        req = _Request(open_msg, names, mode, [n for n in names if self.health.usable(n)])
         req.metadata = self.tracing.metadata()  # drafter streams opened later are children of this Speculate call
         return req
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cosine.common.convert import FUSION_MODE_NAME, fusion_mode_name, sampling_from_proto
 from cosine.common.v1 import common_pb2
 from cosine.engine.sampling import Sampling
 
-FUSION_MODES = {v.number: v.name for v in common_pb2.FusionMode.DESCRIPTOR.values}
 
 
 class BadRequest(ValueError):
@@ -73,13 +73,7 @@ def admit(request, limits: Limits, known_drafters: set[str], default_drafters: l
     else:
         max_new = limits.max_new_tokens_default
 
-    s = request.sampling
-    sampling = Sampling(
-        temperature=s.temperature,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        top_k=s.top_k,
-        seed=s.seed if s.HasField("seed") else random_seed,
-    )
+    sampling = sampling_from_proto(request.sampling, default_seed=random_seed)
     try:
         sampling.check()
     except ValueError as exc:
@@ -101,8 +95,11 @@ def admit(request, limits: Limits, known_drafters: set[str], default_drafters: l
         if spec.max_depth > limits.max_depth:
             raise BadRequest(f"speculation.max_depth must be at most {limits.max_depth}, got {spec.max_depth}")
         max_depth = spec.max_depth
-    if spec.fusion not in FUSION_MODES:
-        raise BadRequest(f"speculation.fusion must be one of {sorted(FUSION_MODES.values())}, got {spec.fusion}")
+    try:
+        fusion_mode_name(spec.fusion, unspecified="")
+    except ValueError:
+        names = ", ".join(common_pb2.FusionMode.Name(v) for v in sorted(FUSION_MODE_NAME))
+        raise BadRequest(f"speculation.fusion must be FUSION_MODE_UNSPECIFIED or one of {names}, got {spec.fusion}") from None
     candidates: list[str] = []
     if not drafters:
         defaults = [d for d in default_drafters if d in known_drafters]

@@ -28,6 +28,8 @@ from dataclasses import asdict, dataclass, field
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from cosine.common.convert import (FUSION_MODE_PROTO, fusion_mode_name, sampling_from_dict, sampling_from_proto,
+                                   sampling_to_dict, sampling_to_proto)
 from cosine.common.errors import ServiceError, invalid
 from cosine.common.metrics import LATENCY_BUCKETS
 from cosine.common.pool import Endpoint, EndpointPool
@@ -111,15 +113,11 @@ class SchedulerConfig:
     gate_window_s: float = 0.5  # the speculation gate's window (0: no gate, adaptive requests always may draft)
 
 
-FUSION_MODES = {"confidence": common_pb2.FUSION_MODE_CONFIDENCE, "merge": common_pb2.FUSION_MODE_MERGE,
-                "single": common_pb2.FUSION_MODE_SINGLE}
-
-
 def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Switches:
     """The server's switches with the request's own (unset fields keep the server's)."""
     changes = {}
     if spec.fusion != common_pb2.FUSION_MODE_UNSPECIFIED:
-        changes["fusion"] = {v: k for k, v in FUSION_MODES.items()}[spec.fusion]
+        changes["fusion"] = fusion_mode_name(spec.fusion)
     if spec.HasField("routing"):
         changes["routing"] = spec.routing
     if spec.HasField("adaptive_depth"):
@@ -362,8 +360,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             try:
                 epoch = await self.store.create(
                     rid, prompt,
-                    {"temperature": sampling.temperature, "top_p": sampling.top_p if sampling.HasField("top_p") else 1.0,
-                     "top_k": sampling.top_k, "seed": sampling.seed},
+                    sampling_to_dict(sampling_from_proto(sampling)),
                     {"max_new_tokens": max_new, "drafters": drafters, "depth": plan.fixed_depth, "stop_token_ids": stop},
                 )
             except BaseException:
@@ -374,9 +371,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
         else:  # taken over: Redis is the source of truth (tokens, the seed, limits, what routing and depth learnt)
             prompt, generated, epoch = state.prompt_token_ids, state.token_ids, state.epoch
-            sp = state.sampling
-            sampling = common_pb2.SamplingParams(temperature=sp.get("temperature", 0.0), top_p=sp.get("top_p", 1.0),
-                                                 top_k=sp.get("top_k", 0), seed=sp.get("seed", 0))
+            sampling = sampling_to_proto(sampling_from_dict(state.sampling))
             max_new = int(state.params.get("max_new_tokens", request.max_new_tokens))
             stop = list(state.params.get("stop_token_ids", request.stop_token_ids))
             restore_plan(plan, state.policy)
@@ -399,7 +394,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 score = plan.router is not None and not (state is not None and state.policy and "routing" in state.policy)
                 opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
                     request_id=rid, prompt_token_ids=prompt + generated, drafters=drafters,
-                    fusion=FUSION_MODES[plan.switches.fusion], score_prompt=score))
+                    fusion=FUSION_MODE_PROTO[plan.switches.fusion], score_prompt=score))
                 if not score:
                     await spec_call.write(opening)
                 else:  # routing's prior: every candidate prefills the prompt and says how well it predicted it

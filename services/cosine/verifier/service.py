@@ -12,6 +12,7 @@ import grpc
 from cosine.common.errors import ServiceError, invalid, status_of
 from cosine.common.streams import ModelWorker
 from cosine.common.tracing import Tracing
+from cosine.common.convert import sampling_from_proto
 from cosine.common.v1 import common_pb2
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
@@ -19,15 +20,6 @@ from cosine.verifier.batcher import Released, VerifyBatcher
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> Sampling:
-    return Sampling(
-        temperature=msg.temperature,
-        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
-        top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else 0,
-    )
 
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
