@@ -19,7 +19,7 @@ from cosine.fusion.__main__ import serve as serve_fusion
 from cosine.router.__main__ import RouterSettings
 from cosine.router.__main__ import serve as serve_router
 from cosine.router.v1 import router_pb2, router_pb2_grpc
-from cosine.scheduler.__main__ import SchedulerSettings
+from cosine.scheduler.__main__ import SchedulerSettings  # gate_window_s=0: adaptive requests keep drafting, so drafters are hit
 from cosine.scheduler.__main__ import serve as serve_scheduler
 from cosine.verifier.__main__ import VerifierSettings
 from cosine.verifier.__main__ import serve as serve_verifier
@@ -77,7 +77,7 @@ async def core(tiny_dirs, redis_server):
                                                     **COMMON))
     s["scheduler"] = await serve_scheduler(SchedulerSettings(
         verifier=f"127.0.0.1:{s['verifier'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", redis_url=redis_server,
-        startup_timeout_s=30, **COMMON))
+        startup_timeout_s=30, gate_window_s=0, **COMMON))
     s["router"] = await serve_router(RouterSettings(
         scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", model=str(tiny_dirs["target"]),
         default_drafters=["ngram", "tiny"], **COMMON))
@@ -185,7 +185,7 @@ async def test_one_of_two_drafter_replicas_sigkilled_the_requests_go_on_and_new_
                                                         drafter_failures_to_skip=2, **COMMON))
         s["scheduler"] = await serve_scheduler(SchedulerSettings(
             verifier=f"127.0.0.1:{s['verifier'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", redis_url=redis_server,
-            startup_timeout_s=30, **COMMON))
+            startup_timeout_s=30, gate_window_s=0, **COMMON))
         s["router"] = await serve_router(RouterSettings(
             scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}", model=str(tiny_dirs["target"]),
             default_drafters=["tiny"], **COMMON))

@@ -35,7 +35,8 @@ def scheduler_proc(verifier: str, fusion: str, redis_url: str, port: int | None 
     port = port or free_port()
     argv = [sys.executable, "-m", "cosine.scheduler", "--port", str(port), "--verifier", verifier, "--fusion", fusion,
             "--redis-url", redis_url, "--log-level", "WARNING", "--drain-timeout-s", "10", "--handover-after-s", "0",
-            "--lease-s", "2", "--startup-timeout-s", "30"]
+            "--lease-s", "2", "--startup-timeout-s", "30",
+            "--gate-window-s", "0"]  # no speculation gate: the speculative runs keep drafting through the failover
     return Proc("scheduler", argv, port)
 
 

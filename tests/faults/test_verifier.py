@@ -17,7 +17,7 @@ from cosine.fusion.__main__ import FusionSettings
 from cosine.fusion.__main__ import serve as serve_fusion
 from cosine.router.__main__ import RouterSettings
 from cosine.router.__main__ import serve as serve_router
-from cosine.scheduler.__main__ import SchedulerSettings
+from cosine.scheduler.__main__ import SchedulerSettings  # gate_window_s=0: adaptive requests keep drafting, so drafters are hit
 from cosine.scheduler.__main__ import serve as serve_scheduler
 from cosine.common.v1 import common_pb2, common_pb2_grpc
 from tests.faults.conftest import Proc, assert_no_address, generate
@@ -35,7 +35,7 @@ async def test_verifier_sigkilled_mid_stream_is_unavailable_within_5s(tiny_dirs,
         s["drafter"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
         s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
         s["scheduler"] = await serve_scheduler(SchedulerSettings(verifier=verifier.address, fusion=f"127.0.0.1:{s['fusion'].port}",
-                                                                 redis_url=redis_server, startup_timeout_s=30, **COMMON))
+                                                                 redis_url=redis_server, startup_timeout_s=30, gate_window_s=0, **COMMON))
         s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
                                                         model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
         router = f"127.0.0.1:{s['router'].port}"
@@ -91,7 +91,7 @@ async def test_verifier_sigkilled_mid_stream_fails_over_to_the_other_replica(tin
         s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
         s["scheduler"] = await serve_scheduler(SchedulerSettings(
             verifier=",".join(v.address for v in verifiers), fusion=f"127.0.0.1:{s['fusion'].port}",
-            redis_url=redis_server, startup_timeout_s=30, **COMMON))
+            redis_url=redis_server, startup_timeout_s=30, gate_window_s=0, **COMMON))
         s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
                                                         model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
         router = f"127.0.0.1:{s['router'].port}"
