@@ -187,6 +187,8 @@ def build_args(argv):
                    help="weights of the cluster's verifier and LM drafters and of llama-cpp's GGUF (auto: the services' "
                         "default, fp32 on CPU); identical_outputs compare with target-only's fp32 output, so they only "
                         "hold in float32")
+    p.add_argument("--verifier-threads", type=int, default=2,
+                   help="torch threads of the cluster's verifier (default 2: every core of this machine)")
     p.add_argument("--suffix-memory-tokens", type=int, default=0,
                    help="the suffix drafter's memory of earlier outputs, in tokens (default 0: off). The workload sends "
                         "the same prompts at every load point and to every system, so with memory on the suffix "
@@ -343,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                   " (on: repeated prompts are drafted from the target's earlier answers to them)"))
     notes.append(f"precision: the cluster's verifier and LM drafters --dtype {args.dtype} "
                  f"({_native_dtype(args.dtype)} here); target-only and the transformers baselines fp32")
-    spec = ClusterSpec(router_port=free_port(), drafters=drafter_specs)
+    spec = ClusterSpec(router_port=free_port(), drafters=drafter_specs, verifier_threads=max(1, args.verifier_threads))
     notes.append(f"cores: systems ran one after another on {os.cpu_count()} CPUs; transformers baselines in the bench process "
                  f"with {args.threads} torch threads before the cluster started; the cluster's processes share the same "
                  f"CPUs through the OS scheduler (verifier {spec.verifier_threads} torch threads, each LM drafter "
