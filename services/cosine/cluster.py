@@ -27,10 +27,19 @@ from cosine.common.server import READINESS
 from cosine.zoo.registry import cache_root
 
 
+_handed_out: set[int] = set()  # ports free_port gave this process: the OS may offer a closed probe's port again
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and not handed out before by this process (services bind it a moment later)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
+    raise RuntimeError("no free loopback port found")
 
 
 @dataclass

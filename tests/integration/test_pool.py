@@ -134,3 +134,29 @@ async def test_dns_target_resolves_every_address():
     finally:
         await pool.close()
         await a.stop()
+
+
+async def test_a_second_server_on_a_port_in_use_fails_to_start_instead_of_sharing_it():
+    """gRPC servers default to SO_REUSEPORT: two services on one port would split its callers between them."""
+    import grpc
+
+    from cosine.common.config import ServiceSettings
+    from cosine.common.server import server_options
+
+    options = server_options(ServiceSettings(port=0))
+    first = grpc.aio.server(options=options)
+    port = first.add_insecure_port("127.0.0.1:0")
+    await first.start()
+    try:
+        second = grpc.aio.server(options=options)
+        with pytest.raises(RuntimeError):
+            second.add_insecure_port(f"127.0.0.1:{port}")
+    finally:
+        await first.stop(None)
+
+
+def test_free_port_never_hands_out_a_port_twice():
+    from cosine.cluster import free_port
+
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)

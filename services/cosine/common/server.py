@@ -68,7 +68,10 @@ def open_channel(target: str, settings: ServiceSettings, extra_options: list[tup
 
 
 def server_options(settings: ServiceSettings) -> list[tuple[str, int]]:
-    options = channel_options(settings) + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000)]
+    # no SO_REUSEPORT (gRPC's default is on): a second server on a port in use must fail to start, not share the
+    # port and answer half its callers with another service's "Method not found"
+    options = channel_options(settings) + [("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+                                           ("grpc.so_reuseport", 0)]
     if settings.max_connection_age_s:
         # GOAWAY after the age; the grace lets open streams (a whole generation) finish on the old connection
         options += [("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
@@ -161,7 +164,7 @@ class GrpcService:
         await self.server.start()
         if self.settings.health_port is not None:
             # health alone, in plaintext: the kubelet's gRPC probes when the service port speaks TLS
-            self._health_server = grpc.aio.server()
+            self._health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self._health_server)
             self.health_port = self._health_server.add_insecure_port(f"{self.settings.host}:{self.settings.health_port}")
             if self.health_port == 0:
