@@ -145,20 +145,16 @@ def sweep(scenario, costs, base_costs, trace, prompts, n, progress) -> dict:
         out["rate"].append({"system": "cosine", "rate": rate, **r})
         r = point(scenario, fixed_depth_deployment(scenario), costs, trace, prompts, rate=rate, n=n)
         out["rate"].append({"system": "cosine-fixed-depth", "rate": rate, **r})
-    for mbps in s["link_mbps"]:
-        progress.phase(f"sweep: drafter links at {mbps} Mbps")
-        c = type(costs).from_dict(costs.to_dict())
-        c.links["drafter"] = link_from({**scenario["links"]["drafter"], "bandwidth_mbps": mbps})
-        for system, deployment in (("cosine", cosine_deployment(scenario)), ("cosine-fixed-depth", fixed_depth_deployment(scenario))):
-            r = point(scenario, deployment, c, trace, prompts, rate=rate0, n=n)
-            out["link_mbps"].append({"system": system, "mbps": mbps, "rate": rate0, **r})
-    for ms in s.get("link_latency_ms", []):
-        progress.phase(f"sweep: drafter links at {ms} ms latency")
-        c = type(costs).from_dict(costs.to_dict())
-        c.links["drafter"] = link_from({**scenario["links"]["drafter"], "latency_ms": ms})
-        for system, deployment in (("cosine", cosine_deployment(scenario)), ("cosine-fixed-depth", fixed_depth_deployment(scenario))):
-            r = point(scenario, deployment, c, trace, prompts, rate=rate0, n=n)
-            out["link_latency_ms"].append({"system": system, "latency_ms": ms, "rate": rate0, **r})
+    # the drafter links, one property at a time: (sweep key, link field, the key of its value in a row, unit)
+    for key, field, column, unit in (("link_mbps", "bandwidth_mbps", "mbps", "Mbps"),
+                                     ("link_latency_ms", "latency_ms", "latency_ms", "ms latency")):
+        for value in s.get(key, []):
+            progress.phase(f"sweep: drafter links at {value} {unit}")
+            c = type(costs).from_dict(costs.to_dict())
+            c.links["drafter"] = link_from({**scenario["links"]["drafter"], field: value})
+            for system, deployment in (("cosine", cosine_deployment(scenario)), ("cosine-fixed-depth", fixed_depth_deployment(scenario))):
+                r = point(scenario, deployment, c, trace, prompts, rate=rate0, n=n)
+                out[key].append({"system": system, column: value, "rate": rate0, **r})
     out["recommendation"] = recommend(out["drafter_nodes"], s.get("tpot_slack", 0.1))
     return out
 
