@@ -118,3 +118,46 @@ async def test_the_scheduler_refuses_what_the_verifiers_slots_cannot_hold(cluste
             assert ids == greedy(prompt, N)
         else:
             assert "retry later" in details and seconds < 0.1, (seconds, details)
+
+
+async def test_slots_another_caller_holds_at_the_verifier_count_against_admission(cluster, tiny_dirs):
+    """Schedulers sharing a verifier: each reads the others' requests from the verifier's load report, so it
+    refuses at once (before anything is stored) when another one holds every slot, instead of admitting the
+    request and having the verifier refuse it later. Here the other caller is a VerifySteps stream of the test's
+    own, holding all SLOTS; a second scheduler (sharing the verifier) and the first both refuse."""
+    from cosine.common.v1 import common_pb2
+    from cosine.scheduler.__main__ import SchedulerSettings
+    from cosine.scheduler.__main__ import serve as serve_scheduler
+    from cosine.scheduler.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
+
+    other = await serve_scheduler(SchedulerSettings(
+        verifier=f"127.0.0.1:{cluster['verifier'].port}", fusion=f"127.0.0.1:{cluster['fusion'].port}",
+        redis_url=cluster["scheduler"].settings.redis_url, startup_timeout_s=30, gate_window_s=0, port=0,
+        pool_poll_interval_s=0.1, log_level="WARNING"))
+    holder = grpc.aio.insecure_channel(f"127.0.0.1:{cluster['verifier'].port}")
+    steps = verifier_pb2_grpc.VerifierStub(holder).VerifySteps()
+    try:
+        opens = [verifier_pb2.VerifyEntry(request_id=f"holder-{i}-{time.time_ns()}", open=verifier_pb2.VerifyOpen(
+            committed_token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(), prompt_len=3)) for i in range(SLOTS)]
+        await steps.write(verifier_pb2.VerifyStep(entries=opens))
+        reply = await steps.read()
+        assert all(r.WhichOneof("kind") != "error" for r in reply.results), reply
+        await asyncio.sleep(1.0)  # both schedulers' pools poll the verifier's report (0.1 s here, 0.5 s the first's)
+        for scheduler in (other, cluster["scheduler"]):
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{scheduler.port}") as channel:
+                request = scheduler_pb2.SubmitRequest(request_id=f"refused-{time.time_ns()}", prompt_token_ids=[1, 2, 3],
+                                                      max_new_tokens=4, sampling=common_pb2.SamplingParams(),
+                                                      speculation=common_pb2.SpeculationParams(disabled=True))
+                started = time.perf_counter()
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in scheduler_pb2_grpc.SchedulerStub(channel).Submit(request, timeout=30):
+                        pass
+                seconds = time.perf_counter() - started
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+            assert "the server is at capacity" in refused.value.details(), "refused by the verifier, not at admission"
+            assert seconds < 0.1, seconds
+    finally:
+        steps.cancel()
+        await holder.close()
+        await other.stop()

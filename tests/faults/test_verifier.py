@@ -126,3 +126,60 @@ async def test_verifier_sigkilled_mid_stream_fails_over_to_the_other_replica(tin
                 await s[name].stop()
         for v in verifiers:
             v.kill()
+
+
+async def test_verifier_sigstopped_mid_stream_past_the_step_deadline_fails_over_or_is_unavailable(tiny_dirs, redis_server, greedy):
+    """A hung verifier (SIGSTOP) is taken for dead after the step deadline: with a second replica the requests
+    reopen there and complete identical; a request with no replica left ends UNAVAILABLE soon after the deadline."""
+    import asyncio
+
+    verifiers = [verifier_proc(tiny_dirs).start(), verifier_proc(tiny_dirs).start()]
+    s = {}
+    try:
+        s["drafter"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
+        s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
+        s["scheduler"] = await serve_scheduler(SchedulerSettings(
+            verifier=",".join(v.address for v in verifiers), fusion=f"127.0.0.1:{s['fusion'].port}",
+            redis_url=redis_server, startup_timeout_s=30, gate_window_s=0, verify_deadline_s=1.0, open_deadline_s=5.0, **COMMON))
+        s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
+                                                        model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
+        router = f"127.0.0.1:{s['router'].port}"
+        await asyncio.sleep(1)  # the scheduler's pool has seen both ready
+        stopped = []
+
+        def stop():
+            if not stopped:
+                victims = holding(verifiers)
+                assert victims, "no verifier holds the running requests"
+                stopped.append((victims[0], time.perf_counter()))
+                victims[0].signal(signal.SIGSTOP)
+
+        runs = [(p, spec) for p in [PROMPT, "Once upon a time"] for spec in ({"disabled": True}, {"drafters": ["ngram"]})]
+        results = await asyncio.gather(*(generate(router, p, 64, on_first=stop, speculation=spec) for p, spec in runs))
+        ended = time.perf_counter()
+        assert stopped, "the stop did not happen"
+        for (prompt, spec), (ids, final, err) in zip(runs, results):
+            assert err is None, (prompt, spec, err)
+            assert ids == greedy(prompt, 64), (prompt, spec)
+        assert s["scheduler"].metrics.registry.get_sample_value("cosine_scheduler_verifier_failovers_total") >= 1
+        assert ended - stopped[0][1] < 1.0 + 10, "the streams waited far past the step deadline"
+        # now the survivor hangs too: a running request ends UNAVAILABLE soon after the deadline
+        survivor = next(v for v in verifiers if v is not stopped[0][0])
+        hung = []
+
+        def stop_survivor():
+            if not hung:
+                hung.append(time.perf_counter())
+                survivor.signal(signal.SIGSTOP)
+
+        ids, _, err = await generate(router, PROMPT, 256, on_first=stop_survivor, speculation={"disabled": True})
+        assert hung and err is not None and err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert time.perf_counter() - hung[0] < 1.0 + 5
+        assert ids == greedy(PROMPT, 256)[: len(ids)]
+        assert_no_address(err.details())
+    finally:
+        for name in ("router", "scheduler", "fusion", "drafter"):
+            if name in s:
+                await s[name].stop()
+        for v in verifiers:
+            v.kill()

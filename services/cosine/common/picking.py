@@ -51,3 +51,12 @@ def choose(candidates: Sequence[Candidate], turn: int = 0) -> int:
     best = min(keys)
     tied = [i for i, k in enumerate(keys) if k == best]
     return tied[turn % len(tied)]
+
+
+def free_slots(candidates: Sequence[Candidate]) -> int | None:
+    """Requests the candidates can take now: their capacities less every caller's requests on them (this
+    caller's placed ones counted exactly, the others' as of their reports). None: not known, when there is
+    no candidate or one reports no capacity (no fixed bound)."""
+    if not candidates or any(c.load.capacity <= 0 for c in candidates):
+        return None
+    return sum(max(0, c.load.capacity - c.load.live - c.placed) for c in candidates)

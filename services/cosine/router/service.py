@@ -43,32 +43,40 @@ class RouterMetrics:
 
 
 class DrafterDirectory:
-    """The drafter names the deployment has, asked of fusion and cached for a while."""
+    """The drafter names the deployment has, asked of fusion and cached for a while. While fusion is
+    unreachable the names of its last answer stay (None before any answer) and it is asked again a second later."""
 
-    def __init__(self, fusion: fusion_pb2_grpc.FusionStub, ttl_s: float = 10.0, tracing: Tracing | None = None):
+    def __init__(self, fusion: fusion_pb2_grpc.FusionStub, ttl_s: float = 10.0, tracing: Tracing | None = None,
+                 timeout_s: float = 2.0):
         self.fusion = fusion
         self.tracing = tracing or Tracing("router")
         self.ttl_s = ttl_s
+        self.timeout_s = timeout_s
         self._names: set[str] = set()
-        self._fetched = 0.0
+        self._answered = False  # fusion answered at least once
+        self._fetched = float("-inf")  # when the names were last asked for (a failed ask: a second before it is stale)
         self._fetching: asyncio.Future | None = None
 
-    async def names(self, must_have: list[str] = ()) -> set[str]:
-        stale = time.monotonic() - self._fetched > self.ttl_s
-        if stale or any(n not in self._names for n in must_have):
+    async def names(self, must_have: list[str] = ()) -> set[str] | None:
+        """The drafter names (None: fusion never answered — they cannot be checked)."""
+        age = time.monotonic() - self._fetched
+        if age > self.ttl_s or (age > 1.0 and any(n not in self._names for n in must_have)):  # new names: once a second at most
             if self._fetching is None or self._fetching.done():  # one fetch at a time, however many requests wait on it
                 self._fetching = asyncio.ensure_future(self._fetch())
             await asyncio.shield(self._fetching)
-        return self._names
+        return self._names if self._answered else None
 
     async def _fetch(self) -> None:
         try:
-            reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=5, metadata=self.tracing.metadata())
+            reply = await self.fusion.ListDrafters(common_pb2.InfoRequest(), timeout=self.timeout_s,
+                                                   metadata=self.tracing.metadata())
             self._names = {d.name for d in reply.drafters}
+            self._answered = True
             self._fetched = time.monotonic()
-        except grpc.aio.AioRpcError as exc:
-            if not self._names:
-                raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"fusion is unreachable: {exc.details()}") from exc
+        except grpc.aio.AioRpcError as exc:  # requests go on without fusion's word; ask again a second later
+            self._fetched = time.monotonic() - self.ttl_s + 1.0
+            log.warning("fusion is unreachable (%s): drafter names %s", exc.code().name,
+                        "from its last answer" if self._answered else "unchecked")
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -151,6 +159,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             rid = request.request_id or uuid.uuid4().hex
             try:
                 known = await self.drafters.names(list(request.speculation.drafters))
+                if known is None:  # fusion unreachable: names unchecked, the scheduler decodes plainly until it is back
+                    known = set(request.speculation.drafters)
                 admission = policy.admit(request, self.limits, known, self.default_drafters, secrets.randbits(63))
                 prompt_ids = self._tokenize(admission)
                 policy.check_lengths(len(prompt_ids), admission.max_new_tokens, self.limits)

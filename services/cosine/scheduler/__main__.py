@@ -61,6 +61,17 @@ class SchedulerSettings(ServiceSettings):
     lease_s: float = Field(5.0, gt=0, description=(
         "how long a request stays claimed in Redis without word from its scheduler (renewed a third of this apart); "
         "after it runs out, the request's id may be used again at once"))
+    draft_deadline_s: float = Field(3.0, gt=0, description=(
+        "shortest deadline of one round's drafts at fusion (the deadline is 10 × the request's measured draft time, "
+        "at least this); past it, or when fusion fails, the request moves to another fusion replica or decodes plainly"))
+    first_draft_deadline_s: float = Field(15.0, gt=0, description=(
+        "deadline of a request's first round at fusion (its drafters prefill the prompt; above fusion's "
+        "--drafter-first-call-s)"))
+    verify_deadline_s: float = Field(5.0, gt=0, description=(
+        "shortest deadline of one verification step (the deadline is 10 × the measured step time, at least this); "
+        "past it the verifier is taken for dead and its requests fail over to another replica"))
+    open_deadline_s: float = Field(30.0, gt=0, description=(
+        "shortest deadline of a verification step that opens requests (the verifier prefills their prompts)"))
     handover_after_s: float | None = Field(None, ge=0, description=(
         "on SIGTERM, how long live requests may finish before they are handed over to another scheduler through "
         "Redis (unset: drain_timeout_s minus 3 s)"))
@@ -129,7 +140,9 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
                              routing_k=settings.routing_k, routing_max_k=max(settings.routing_k, settings.routing_max_k),
                              routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high,
                              step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens,
-                             gate_window_s=settings.gate_window_s)
+                             gate_window_s=settings.gate_window_s, draft_deadline_s=settings.draft_deadline_s,
+                             first_draft_deadline_s=settings.first_draft_deadline_s,
+                             verify_deadline_s=settings.verify_deadline_s, open_deadline_s=settings.open_deadline_s)
     servicer = SchedulerServicer(store, verifiers, fusions, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live),

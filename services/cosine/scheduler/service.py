@@ -32,6 +32,7 @@ from cosine.common.convert import (FUSION_MODE_PROTO, fusion_mode_name, sampling
                                    sampling_to_dict, sampling_to_proto)
 from cosine.common.errors import ServiceError, invalid
 from cosine.common.metrics import LATENCY_BUCKETS
+from cosine.common.picking import Candidate, free_slots
 from cosine.common.pool import Endpoint, EndpointPool
 from cosine.common.state import RequestStore
 from cosine.common.streams import close_quietly, exchange
@@ -92,6 +93,10 @@ class SchedulerMetrics:
                                       buckets=LATENCY_BUCKETS, registry=registry)
         self.failovers = Counter("cosine_scheduler_verifier_failovers_total",
                                  "requests moved to another verifier after their verifier's stream broke", registry=registry)
+        self.fusion_failovers = Counter(
+            "cosine_scheduler_fusion_failovers_total",
+            "requests whose fusion stream failed or passed its deadline, by what followed: reopened at another fusion "
+            "replica, or plain decoding for the rest of the request", ["outcome"], registry=registry)
         for position in range(16):  # exported from the start, so rates by position exist before the first accept
             self.position_drafted.labels(str(position))
             self.position_accepted.labels(str(position))
@@ -111,6 +116,10 @@ class SchedulerConfig:
     step_max_requests: int = 16  # most requests verified in one step
     step_max_tokens: int = 256  # most positions verified in one step (Σ 1 + tree nodes)
     gate_window_s: float = 0.5  # the speculation gate's window (0: no gate, adaptive requests always may draft)
+    draft_deadline_s: float = 3.0  # shortest deadline of a round's drafts (10 × the measured draft time, at least this)
+    first_draft_deadline_s: float = 15.0  # deadline of a request's first round (the drafters prefill its prompt)
+    verify_deadline_s: float = 5.0  # shortest deadline of a verification step (10 × the measured step, at least this)
+    open_deadline_s: float = 30.0  # shortest deadline of a step that opens requests (the verifier prefills them)
 
 
 def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Switches:
@@ -179,6 +188,11 @@ class LiveRequest:
     epoch: int = 0  # the owner fence in Redis (cosine.common.state)
     resumed: bool = False  # taken over from Redis (another scheduler's, or this one's, broken stream)
     sent: int = 0  # output tokens sent on the Submit stream so far (the next one's index)
+    fusion: Endpoint | None = None  # the fusion replica spec_call goes to (None: plain decoding)
+    fusion_generation: int = 0  # bumped when the request reopens at another fusion replica
+    fusion_fresh: bool = True  # spec_call has answered no round yet (its drafters prefill on the first)
+    timeout_at: float | None = None  # the Submit call's deadline (time.monotonic()), for a reopened Speculate stream
+    metadata: tuple = ()  # trace metadata of the Speculate streams
     fusion_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _round: object = None
 
@@ -278,6 +292,16 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         ready = [e for e in self.verifiers.endpoints() if e.healthy and e.report is not None]
         return sum(e.report.capacity for e in ready) if ready and all(e.report.capacity for e in ready) else 0
 
+    def _full(self) -> bool:
+        """Admission: --max-admitted live requests; else no free KV slot on any ready verifier, counting other
+        schedulers' requests on them (their load reports) as well as this one's, so schedulers that share a
+        verifier do not each fill it (`cosine.common.picking.free_slots`)."""
+        if self.max_admitted:
+            return len(self.live) >= self.max_admitted
+        ready = [e for e in self.verifiers.endpoints() if e.healthy and e.report is not None]
+        free = free_slots([Candidate(e.load, e.placed) for e in ready])
+        return free is not None and free <= 0
+
     def plan(self, request: scheduler_pb2.SubmitRequest) -> RequestPlan:
         """Resolve a request's switches and drafters (see the module's notes on routing)."""
         spec = request.speculation
@@ -325,7 +349,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not request.resume:
                 raise ServiceError(grpc.StatusCode.ALREADY_EXISTS, f"request {rid} is already running")
             self._evict(rid, TakenOver(rid))  # this scheduler's own earlier stream of it broke: the resume replaces it
-        elif self.max_requests and len(self.live) >= self.max_requests:  # admission: what the verifier's KV slots hold
+        elif self._full():  # admission: what the verifiers' KV slots hold
             raise ServiceError(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the server is at capacity ({self.max_requests} requests in progress); retry later, with backoff")
         mine = [object()]  # this Submit's entry in self.live (its LiveRequest once it runs)
@@ -352,7 +376,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 finish_reason=common_pb2.FinishReason.Value(state.finish_reason or "FINISH_REASON_LENGTH"), stats=stats))
             return
         verifier = self.verifiers.pick()  # UNAVAILABLE before anything is stored when none is ready
-        fusion = self.fusions.pick() if plan.speculate else None
+        fusion = self._pick_fusion() if plan.speculate else None  # none ready: plain decoding (drafting is optional)
         if state is None:  # a new request (or one whose state never reached Redis): from this message
             prompt, generated = list(request.prompt_token_ids), []
             sampling = request.sampling
@@ -381,7 +405,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         spec_call = (fusion_pb2_grpc.FusionStub(fusion.channel).Speculate(timeout=timeout, metadata=metadata)
                      if fusion is not None else None)
         live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier(), verifier, epoch=epoch,
-                           resumed=state is not None, sent=request.resume_from if state is not None else 0)
+                           resumed=state is not None, sent=request.resume_from if state is not None else 0, fusion=fusion,
+                           timeout_at=None if timeout is None else time.monotonic() + timeout, metadata=metadata)
         if self.live.get(rid) is mine[0]:
             self.live[rid] = mine[0] = live
         self._ensure_heartbeat()
@@ -395,12 +420,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
                     request_id=rid, prompt_token_ids=prompt + generated, drafters=drafters,
                     fusion=FUSION_MODE_PROTO[plan.switches.fusion], score_prompt=score))
-                if not score:
-                    await spec_call.write(opening)
-                else:  # routing's prior: every candidate prefills the prompt and says how well it predicted it
-                    with self.tracing.span("scheduler.score_prompt", {"cosine.drafters": len(drafters)}):
-                        scored = await exchange(spec_call, opening, "fusion")
-                    self._prior(plan.router, scored.prompt_fits)
+                try:
+                    if not score:
+                        await asyncio.wait_for(spec_call.write(opening), self.config.first_draft_deadline_s)
+                    else:  # routing's prior: every candidate prefills the prompt and says how well it predicted it
+                        with self.tracing.span("scheduler.score_prompt", {"cosine.drafters": len(drafters)}):
+                            scored = await asyncio.wait_for(exchange(spec_call, opening, "fusion"),
+                                                            self.config.first_draft_deadline_s)
+                        self._prior(plan.router, scored.prompt_fits)
+                except (asyncio.CancelledError, GeneratorExit):
+                    raise
+                except Exception as exc:  # noqa: BLE001 - fusion failed: the request decodes plainly
+                    self._fusion_broke(live, exc, request_id=rid)
+                    self.metrics.fusion_failovers.labels("plain").inc()
             entry = Request(rid, len(prompt), max_new, self.config.max_context, frozenset(stop), payload=live,
                             lane=verifier.name)
             if state is not None:
@@ -443,8 +475,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if self.loop.requests.get(rid) is not None and self.loop.requests[rid].payload is live:
                 self.loop.cancel(rid)
             live.end_round()
-            close_quietly(spec_call)
-            self._unplace(live.verifier, fusion)  # failover may have moved it to another verifier
+            close_quietly(live.spec_call)
+            self._unplace(live.verifier, live.fusion)  # failover may have moved it to other replicas
             if status not in ("handed_over", "taken_over"):  # the request's next owner writes its state from now on
                 try:
                     await asyncio.shield(self.store.finish(rid, status, reason, epoch=live.epoch))
@@ -589,20 +621,100 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return RoundOrder(ahead_depth, list(order.drafters))
 
     async def draft(self, request: Request, order: RoundOrder) -> Draft:
+        """The round's draft tree from fusion. Drafting is optional: when the request's fusion stream fails or
+        passes its deadline, the request reopens at another fusion replica (with everything it committed) and
+        drafts there; with none, this round and the rest of the request decode plainly (an empty tree)."""
+        live: LiveRequest = request.payload
+        generation = live.fusion_generation
+        async with live.fusion_lock:  # one stream, in order
+            for _ in range(2):  # its fusion replica, then (that one failed) another
+                if live.spec_call is None and not await self._reopen_fusion(request):
+                    break
+                # a stream reopened after this order was made has every committed token from its open
+                committed = order.committed if live.fusion_generation == generation else []
+                try:
+                    return await self._speculate_round(request, order, committed)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - fusion failed or hung: not the request's failure
+                    self._fusion_broke(live, exc, request_id=request.request_id)
+        self.metrics.fusion_failovers.labels("plain").inc()
+        return Draft(DraftTree(), [], 0.0, None)
+
+    async def _speculate_round(self, request: Request, order: RoundOrder, committed: list[int]) -> Draft:
         live: LiveRequest = request.payload
         span = self.tracing.start("scheduler.draft", {"cosine.depth": order.depth, "cosine.drafters": order.drafters},
                                   parent=live.round_span(self.tracing))
         try:
             message = fusion_pb2.SpeculateRequest(round=fusion_pb2.SpeculateRound(
-                committed_token_ids=order.committed, depth=order.depth, drafters=order.drafters, budget=order.budget,
+                committed_token_ids=committed, depth=order.depth, drafters=order.drafters, budget=order.budget,
                 context_token_ids=order.context))
             self.tracing.carrier(span, message.round.trace_context)
-            async with live.fusion_lock:  # one stream, in order
-                reply = await exchange(live.spec_call, message, "fusion")
+            deadline = (self.config.first_draft_deadline_s if live.fusion_fresh
+                        else max(self.config.draft_deadline_s, 10 * (request.draft_estimate or 0.0)))
+            try:
+                reply = await asyncio.wait_for(exchange(live.spec_call, message, "fusion"), deadline)
+            except asyncio.TimeoutError:
+                raise ServiceError(grpc.StatusCode.DEADLINE_EXCEEDED, f"fusion did not draft within {deadline:.1f} s") from None
+            live.fusion_fresh = False
         finally:
             span.end()
         tree = DraftTree(list(reply.tree.token_ids), list(reply.tree.parents), list(reply.tree.probs))
         return Draft(tree, list(order.drafters), reply.draft_ms / 1000, reply)
+
+    def _pick_fusion(self) -> Endpoint | None:
+        """A ready fusion replica for a request (placed there), or None: the request decodes plainly."""
+        try:
+            return self.fusions.pick()
+        except ServiceError:
+            log.warning("no fusion replica is ready: a request decodes plainly")
+            return None
+
+    def _fusion_broke(self, live: LiveRequest, exc: BaseException, request_id: str) -> None:
+        """The request's fusion stream failed: close it, and take the replica out of new placements when it is
+        gone or hung (not when it refused this one request)."""
+        if live.spec_call is None:
+            return
+        close_quietly(live.spec_call)
+        live.spec_call = None
+        code = exc.code if isinstance(exc, ServiceError) else getattr(exc, "code", lambda: None)()
+        log.warning("fusion stream of request %s failed (%s): drafting goes on elsewhere or stops", request_id,
+                    getattr(code, "name", type(exc).__name__))
+        if live.fusion is not None:
+            if code in (None, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.UNKNOWN):
+                self.fusions.mark_down(live.fusion)
+            self.fusions.release(live.fusion)
+            live.fusion = None
+
+    async def _reopen_fusion(self, request: Request) -> bool:
+        """Open the request at another ready fusion replica with every token it committed (no prompt scoring:
+        routing keeps what it learnt). False: none is ready, or the open failed."""
+        live: LiveRequest = request.payload
+        fusion = self._pick_fusion()
+        if fusion is None:
+            return False
+        timeout = None if live.timeout_at is None else max(0.1, live.timeout_at - time.monotonic())
+        call = fusion_pb2_grpc.FusionStub(fusion.channel).Speculate(timeout=timeout, metadata=live.metadata)
+        opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
+            request_id=request.request_id, prompt_token_ids=live.prompt + list(request.generated), drafters=live.plan.pool,
+            fusion=FUSION_MODE_PROTO[live.plan.switches.fusion], score_prompt=False))
+        try:
+            await asyncio.wait_for(call.write(opening), self.config.first_draft_deadline_s)
+        except asyncio.CancelledError:
+            close_quietly(call)
+            self.fusions.release(fusion)
+            raise
+        except Exception:  # noqa: BLE001 - that one failed too: plain decoding
+            close_quietly(call)
+            self.fusions.mark_down(fusion)
+            self.fusions.release(fusion)
+            return False
+        live.spec_call, live.fusion, live.fusion_fresh = call, fusion, True
+        live.fusion_generation += 1
+        self.metrics.fusion_failovers.labels("reopened").inc()
+        log.warning("request %s reopened at fusion replica %s", request.request_id, fusion.name)
+        return True
 
     def _lane_of(self, rounds, opens, releases) -> VerifierLane | None:
         """The verifier of a step: the step loop forms every step from one lane's requests."""
@@ -694,9 +806,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     async def _step(self, lane: VerifierLane, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
         call = lane.call
+        deadline = self._verify_deadline(message)
         try:
             async with lane.lock:
-                return await exchange(call, message, "verifier")
+                try:
+                    return await asyncio.wait_for(exchange(call, message, "verifier"), deadline)
+                except asyncio.TimeoutError:  # hung (stopped, wedged): taken for dead, as a broken stream is
+                    raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                       f"the verifier did not answer within {deadline:.1f} s; retry the request") from None
         except BaseException as exc:
             if lane.call is not call:  # broken (and handled) while this step waited for the lock
                 raise
@@ -706,6 +823,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not isinstance(exc, asyncio.CancelledError):
                 self.verifiers.mark_down(lane.endpoint)  # no new requests there until its health check passes
             raise
+
+    def _verify_deadline(self, message: verifier_pb2.VerifyStep) -> float:
+        """Seconds a step may take: 10 × the measured step time, at least verify_deadline_s (open_deadline_s
+        when it opens requests: the verifier prefills their prompts first)."""
+        floor = (self.config.open_deadline_s if any(e.WhichOneof("kind") == "open" for e in message.entries)
+                 else self.config.verify_deadline_s)
+        return max(floor, 10 * (self.loop.step_estimate or 0.0))
 
     def _move(self, request: Request, target: Endpoint) -> None:
         """Place a request on another verifier (picked for it): it opens there with its next step."""

@@ -257,6 +257,11 @@ class StepLoop:
         return len(self.requests)
 
     @property
+    def step_estimate(self) -> float | None:
+        """Recent mean wall time of a step (None before the first)."""
+        return self._step_estimate
+
+    @property
     def quiet(self) -> bool:
         """No step in flight and no release waiting to be sent (a drain waits for this before handing over)."""
         return not self._steps and not any(self._releases.values())

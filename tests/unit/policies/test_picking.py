@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cosine.common.picking import Candidate, Load, choose
+from cosine.common.picking import Candidate, Load, choose, free_slots
 
 
 def test_fewest_held_requests_wins_counting_those_placed_since_the_report():
@@ -51,3 +51,17 @@ def test_spreading_a_burst_evenly_from_equal_reports():
 def test_no_candidates_is_an_error():
     with pytest.raises(ValueError):
         choose([])
+
+
+def test_free_slots_count_every_callers_requests():
+    # 4 slots each; 3 of other callers' requests on the first, 1 of ours placed on the second since its report
+    assert free_slots([Candidate(Load(live=3, capacity=4)), Candidate(Load(live=0, capacity=4), placed=1)]) == 4
+    # two schedulers sharing one verifier: the other holds 3, we placed 1 -> full, not 4 - 1 = 3 free
+    assert free_slots([Candidate(Load(live=3, capacity=4), placed=1)]) == 0
+    # over-full (reports lag) never counts negative against another replica's free slots
+    assert free_slots([Candidate(Load(live=5, capacity=4), placed=1), Candidate(Load(capacity=2))]) == 2
+
+
+def test_free_slots_unknown_without_capacities():
+    assert free_slots([]) is None
+    assert free_slots([Candidate(Load(live=1, capacity=4)), Candidate(Load(live=0, capacity=0))]) is None
