@@ -9,6 +9,9 @@ Scenarios (real processes, real signals):
   scheduler SIGKILLed        the scheduler holding most streams SIGKILLed --kill-after-s into them: the
                              router resumes them on another (the cluster runs --schedulers, default 3)
   scheduler SIGTERMed        the same with SIGTERM: it drains, hands its streams over, and exits
+  fusion SIGKILLed           the (only) fusion process SIGKILLed --kill-after-s into the streams: they
+                             decode plainly from there
+  fusion dead                new requests after that
 
 Per scenario: requests, completed, identical to the fault-free output, errors by status, the
 slowest refusal, and the added latency (median latency minus the fault-free median; with every
@@ -18,7 +21,7 @@ them), the p99 over streams of each one's longest pause between chunks minus the
 its prompt without a fault (the added latency of a failover, as the client sees it), and how many the router resumed (SIGTERM: the scheduler lets its streams
 finish for --handover-after-s, here 0.5 s, then hands the rest over). Exit status 1 when a stream was not identical, ended with a status other
 than RESOURCE_EXHAUSTED, or was refused after more than 100 ms, or a scheduler fault hit no stream.
-Verifier and Redis failover are not scenarios yet.
+Verifier and Redis faults are not scenarios here (tests/faults/ has them).
 """
 
 from __future__ import annotations
@@ -234,6 +237,28 @@ def main(argv: list[str] | None = None) -> int:
                       if not any(resumed.values()) else f"  resumed: {resumed}", flush=True)
                 if victim and victim[0] is not None:
                     schedulers.remove(victim[0][0])
+
+        # fusion last: the cluster runs one, so the requests decode plainly from here on
+        fusions = [p for p in cluster.processes if p.name.startswith("fusion")]
+        fusion_killed: list[float] = []
+
+        def kill_fusion_later():
+            if not fusion_killed:
+                fusion_killed.append(time.monotonic())
+                def kill():
+                    time.sleep(args.kill_after_s)
+                    for p in fusions:
+                        os.kill(p.pid, signal.SIGKILL)
+                import threading
+                threading.Thread(target=kill, daemon=True).start()
+
+        outcomes = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s, on_first=kill_fusion_later)
+        hit = sum(o.ended > fusion_killed[0] + args.kill_after_s for o in outcomes) if fusion_killed else 0
+        rows.append(row("fusion SIGKILLed", outcomes, reference, base_median, hit=hit))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+        dead = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s)
+        rows.append(row("fusion dead", dead, reference, base_median))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
     finally:
         cluster.stop()
     print()
