@@ -83,6 +83,12 @@ async def test_every_service_exports_the_named_metrics_and_they_move(services):
         exists("fusion", "cosine_fusion_drafter_accepted_tokens_total", drafter=drafter)
         moved("scheduler", "cosine_scheduler_drafter_selected_total", 3, drafter=drafter)  # routing choices
     moved("fusion", "cosine_fusion_rounds_total", 3, mode="confidence")
+    # calibration against acceptance: positions judged per drafter, and its error as stated and as used
+    for drafter in ("ngram", "tiny"):
+        moved("fusion", "cosine_fusion_drafter_calibration_observations", drafter=drafter)
+        for which in ("stated", "used"):
+            err = value(after["fusion"], "cosine_fusion_drafter_calibration_error", drafter=drafter, probabilities=which)
+            assert err is not None and 0 <= err <= 1, (drafter, which, err)
     # chosen depths and acceptance by position (position 0: the first draft token of a round)
     moved("scheduler", "cosine_scheduler_depth_count", 4)
     moved("scheduler", "cosine_scheduler_position_drafted_total", 3, position="0")

@@ -13,6 +13,7 @@ from cosine.common.config import ServiceSettings
 from cosine.common.pool import EndpointPool, parse_targets
 from cosine.common.server import GrpcService, run_service
 from cosine.fusion.health import HealthConfig
+from cosine.fusion.calibration import CalibrationTable
 from cosine.fusion.service import FusionMetrics, FusionServicer
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 
@@ -51,6 +52,9 @@ class FusionSettings(ServiceSettings):
     drafter_failures_to_skip: int = Field(3, ge=1, description="failures in a row after which new requests skip a drafter until it passes a health check")
     drafter_backoff_s: float = Field(2.0, gt=0, description="wait before a skipped drafter is first health-checked (doubles while it fails)")
     drafter_max_backoff_s: float = Field(30.0, gt=0, description="longest wait between health checks of a skipped drafter")
+    calibrate: bool = Field(True, description=(
+        "rank and report drafters' candidates by their calibrated probability: the acceptance rate fusion observed "
+        "for what each drafter states (false: as stated; the calibration error is measured either way)"))
 
     @field_validator("drafters")
     @classmethod
@@ -82,7 +86,8 @@ async def serve(settings: FusionSettings) -> GrpcService:
 
     service = GrpcService("fusion", settings, register, on_stop)
     servicer = FusionServicer(pools,
-                              FusionMetrics(service.metrics.registry), service.tracing, settings.top_k, settings.health())
+                              FusionMetrics(service.metrics.registry), service.tracing, settings.top_k, settings.health(),
+                              calibration=CalibrationTable(enabled=settings.calibrate))
     service.servicer = servicer
     await service.start()
     await service.set_ready()

@@ -12,7 +12,7 @@ import logging
 import time
 
 import grpc
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from cosine.common.convert import fusion_mode_name
 from cosine.common.errors import ServiceError, invalid
@@ -22,6 +22,7 @@ from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.drafter.v1 import drafter_pb2, drafter_pb2_grpc
 from cosine.engine.tree import DraftTree
+from cosine.fusion.calibration import CalibrationTable
 from cosine.fusion.confidence import ConfidenceFusion, merge_only, single_chain
 from cosine.fusion.health import HealthConfig, HealthView
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
@@ -35,6 +36,7 @@ class FusionMetrics:
     round is not counted). Labels: drafter names of the deployment, a bounded set."""
 
     def __init__(self, registry=None):
+        self._exported: set[str] = set()
         self.proposed = Counter("cosine_fusion_drafter_proposed_tokens_total", "tokens each drafter proposed", ["drafter"], registry=registry)
         self.accepted = Counter(
             "cosine_fusion_drafter_accepted_tokens_total", "proposed tokens on the path the target accepted", ["drafter"], registry=registry)
@@ -46,6 +48,23 @@ class FusionMetrics:
                                ["drafter", "reason"], registry=registry)
         self.skipped = Counter("cosine_fusion_drafter_skipped_total",
                                "times a drafter was taken out of use for new requests after repeated failures", ["drafter"], registry=registry)
+        self.calibration_error = Gauge(
+            "cosine_fusion_drafter_calibration_error",
+            "expected calibration error of each drafter's probabilities against acceptance, as the drafter states them "
+            "(stated) and as fusion used them after calibration (used)", ["drafter", "probabilities"], registry=registry)
+        self.calibration_observed = Gauge("cosine_fusion_drafter_calibration_observations",
+                                          "drafted positions judged for calibration (halved per bin past its cap)",
+                                          ["drafter"], registry=registry)
+
+    def export_calibration(self, table: CalibrationTable) -> None:
+        """Gauges that read the calibration table when scraped (drafters get theirs on first sight)."""
+        for name, cal in table.drafters.items():
+            if name in self._exported:
+                continue
+            self._exported.add(name)
+            self.calibration_error.labels(name, "stated").set_function(lambda c=cal: c.raw.ece() or 0.0)
+            self.calibration_error.labels(name, "used").set_function(lambda c=cal: c.mapped.ece() or 0.0)
+            self.calibration_observed.labels(name).set_function(lambda c=cal: c.raw.total)
 
     def judge(self, chains: dict[str, list[int]], committed: list[int], context: list[int] | None = None) -> None:
         """committed: accepted drafts then the target's own token, so at most len - 1 are drafts.
@@ -80,8 +99,8 @@ class _Request:
         self.calls: dict[str, grpc.aio.StreamStreamCall] = {}
         self.replicas: dict[str, Endpoint] = {}  # the replica of each drafter its stream is open on
         self.pending: dict[str, list[int]] = {n: [] for n in (names if usable is None else usable)}
-        # the previous round's proposals and their context, judged when its outcome arrives
-        self.chains: dict[str, list[int]] = {}
+        # the previous round's proposals (tokens, stated probabilities) and their context, judged when its outcome arrives
+        self.chains: dict[str, tuple[list[int], list[float]]] = {}
         self.context: list[int] | None = None
         self.metadata = None
 
@@ -105,8 +124,9 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
 
     def __init__(self, drafters: dict[str, EndpointPool], metrics: FusionMetrics | None = None,
                  tracing: Tracing | None = None, top_k: int = 3, health: HealthConfig | None = None,
-                 probe_timeout_s: float = 2.0, clock=time.monotonic):
+                 probe_timeout_s: float = 2.0, clock=time.monotonic, calibration: CalibrationTable | None = None):
         self.drafters = drafters
+        self.calibration = calibration or CalibrationTable()
         self.metrics = metrics or FusionMetrics()
         self.tracing = tracing or Tracing("fusion")
         self.top_k = top_k
@@ -183,7 +203,9 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
                         raise invalid("Speculate round before open")
                     committed = list(message.round.committed_token_ids)
                     if req.chains:
-                        self.metrics.judge(req.chains, committed, req.context)
+                        self.metrics.judge({n: tokens for n, (tokens, _) in req.chains.items()}, committed, req.context)
+                        self.calibration.observe_round(req.chains, committed, req.context)
+                        self.metrics.export_calibration(self.calibration)
                     for pending in req.pending.values():
                         pending.extend(committed)
                     yield await self._round(req, message.round, context)
@@ -320,17 +342,18 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
                                                   trace_context=trace) for n in names}
                 replies = await self._exchange(req, names, steps, context, depth) if names else {}
                 chains = {n: (list(r.token_ids), list(r.probs)) for n, r in replies.items()}
+                used = {n: (tokens, self.calibration.map_all(n, probs)) for n, (tokens, probs) in chains.items()}
                 fused = None
                 if not chains:
                     tree = DraftTree()
                 elif req.mode == "single":
-                    tree = single_chain(*chains[names[0]], budget)
+                    tree = single_chain(*used[names[0]], budget)
                 else:
-                    tree = merge_only(chains, budget)
+                    tree = merge_only(used, budget)
             span.set_attribute("cosine.tree_size", len(tree.tokens))
         self.metrics.rounds.labels(req.mode).inc()
         # judged when the next round's committed tokens arrive; a round drafted ahead is judged by the scheduler
-        req.chains = {} if ahead else {n: tokens for n, (tokens, _) in chains.items()}
+        req.chains = {} if ahead else chains
         req.context = fused
         return fusion_pb2.SpeculateResponse(
             tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
@@ -359,10 +382,10 @@ class FusionServicer(fusion_pb2_grpc.FusionServicer):
             candidates = {}
             for n, r in replies.items():
                 cands = list(zip(r.candidates[0].token_ids, r.candidates[0].probs)) if r.candidates else []
-                candidates[n] = cands
+                candidates[n] = [(t, self.calibration.map(n, p)) for t, p in cands]  # ranked by calibrated confidence
                 if cands and n not in ended:
                     chains[n][0].append(cands[0][0])
-                    chains[n][1].append(cands[0][1])
+                    chains[n][1].append(cands[0][1])  # as stated: what calibration learns from
                 elif not cands:
                     ended.add(n)
             if fusion.step(candidates) is None:
