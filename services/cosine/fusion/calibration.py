@@ -83,8 +83,10 @@ class Calibrator:
         b = self.raw.bin(p)
         return (self.raw.hits[b] + self.prior_weight * p) / (self.raw.count[b] + self.prior_weight)
 
-    def observe(self, p: float, hit: bool) -> None:
-        self.mapped.add(self(p), hit)  # judged by the map as it stood when the token was proposed (roughly)
+    def observe(self, p: float, hit: bool, used: float | None = None) -> None:
+        """``used``: the probability fusion ranked the token by (default: this map's value for p now, close to
+        the one it had when the token was proposed)."""
+        self.mapped.add(self(p) if used is None else used, hit)
         self.raw.add(p, hit)
 
 
@@ -120,4 +122,4 @@ class CalibrationTable:
             for i, (token, p) in enumerate(zip(tokens, probs)):
                 if i >= len(committed) or (i > 0 and (i - 1 >= len(ctx) or ctx[i - 1] != committed[i - 1])):
                     break
-                cal.observe(p, token == committed[i])
+                cal.observe(p, token == committed[i], used=None if self.enabled else p)

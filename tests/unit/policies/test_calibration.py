@@ -66,6 +66,8 @@ def test_calibration_changes_which_drafter_wins_a_fusion_step():
     used = {n: [(t, table.map(n, p)) for t, p in c] for n, c in stated.items()}
     assert fuse_step(used).token == 22
     off = CalibrationTable(enabled=False)
-    off.of("lm").observe(0.95, False)
+    for _ in range(50):
+        off.observe_round({"lm": ([3], [0.95])}, committed=[4])
     assert off.map("lm", 0.95) == 0.95  # disabled: as stated (it still measures)
-    assert off.of("lm").raw.total == 1
+    assert off.of("lm").raw.total == 50
+    assert off.of("lm").mapped.ece() == pytest.approx(0.95)  # what fusion used was the stated value
