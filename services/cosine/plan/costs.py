@@ -1,6 +1,6 @@
 """Cost models of a simulated deployment: each component's step and each link (DESIGN: `cosine plan`).
 
-* verifier step: `cosine.scheduler.batching.VerifyTimeModel`'s own form,
+* verifier step: `cosine.common.batching.VerifyTimeModel`'s own form,
   ``c0 + c1·b(d+1) + c2·bL + c3·b(d+1)L`` (b requests, longest context L, largest tree d),
   plus ``verify_tree_s`` when any request of the step brings a draft tree, plus a prefill of
   ``p0 + p1·tokens`` for each request the step opens;
@@ -23,7 +23,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from cosine.scheduler.batching import DraftTimeModel, VerifyTimeModel
+from cosine.common.batching import DraftTimeModel, VerifyTimeModel
 
 PROFILES = Path(__file__).with_name("profiles.json")
 

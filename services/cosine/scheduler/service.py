@@ -43,7 +43,7 @@ from cosine.scheduler.routing import ExpertiseRouter, PromptFit
 from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter, verifier_load
-from cosine.scheduler.batching import BatchLimits
+from cosine.common.batching import BatchLimits
 from cosine.scheduler.speculation import RequestSpeculation, SpeculationController, SpeculationGate
 from cosine.scheduler.steploop import Clock, Draft, Emission, MonotonicClock, Request, RoundOrder, RoundRecord, StepLoop, Verdict
 from cosine.scheduler.switches import Switches

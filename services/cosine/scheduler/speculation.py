@@ -48,10 +48,11 @@ likely to be fully accepted, are kept.
 
 from __future__ import annotations
 
-import heapq
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+
+from cosine.common.batching import shorten_longest_first
 
 
 def expected_tokens(alpha: float, depth: int) -> float:
@@ -98,30 +99,6 @@ def best_depth(alpha: float, costs: SpeculationCosts, max_depth: int, margin: fl
     if best and not best_rate > plain * (1.0 + margin):
         return 0
     return best
-
-
-def shorten_longest_first(depths: Mapping[str, int], cap: int, floor: int = 0) -> dict[str, int]:
-    """Cut speculation until Σ depths ≤ cap, one token at a time from the longest (never below ``floor``).
-
-    Ties: the later key in ``depths`` order loses first. If even all-``floor``
-    exceeds the cap, returns all-``floor`` (the caller must split the batch).
-    """
-    if cap < 0:
-        raise ValueError(f"cap must be >= 0, got {cap}")
-    out = dict(depths)
-    excess = sum(out.values()) - cap
-    if excess <= 0:
-        return out
-    order = {k: i for i, k in enumerate(out)}
-    heap = [(-d, -order[k], k) for k, d in out.items() if d > floor]
-    heapq.heapify(heap)
-    while excess > 0 and heap:
-        neg_d, neg_i, k = heapq.heappop(heap)
-        out[k] = -neg_d - 1
-        excess -= 1
-        if out[k] > floor:
-            heapq.heappush(heap, (-out[k], neg_i, k))
-    return out
 
 
 @dataclass

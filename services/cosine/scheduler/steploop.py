@@ -48,7 +48,7 @@ from cosine.common.v1 import common_pb2
 from cosine.engine.tree import DraftTree
 from cosine.scheduler import policy
 from cosine.scheduler.ahead import subtree_after
-from cosine.scheduler.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed
+from cosine.common.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from cosine.common.config import ModelSettings
 from cosine.common.server import GrpcService, run_service
 from cosine.common.streams import ModelWorker
 from cosine.common.v1 import common_pb2
-from cosine.scheduler.batching import BatchLimits
+from cosine.common.batching import BatchLimits
 from cosine.verifier.batcher import BatchStep, VerifyBatcher
 from cosine.verifier.service import VerifierServicer
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc

@@ -7,7 +7,7 @@ arriving while a batch runs form the next batch instead of queueing one
 forward each. Which waiting rounds go into a batch is the batch policy:
 
 * ``fifo``: every waiting round, oldest first, up to ``max_batch``.
-* ``objective``: `cosine.scheduler.batching.choose_batch` over the waiting
+* ``objective``: `cosine.common.batching.choose_batch` over the waiting
   rounds — expected committed tokens plus waiting time minus the predicted
   step time, under a cap on verified positions, an optional KV-memory cap, an
   optional latency bound and ``max_batch``; rounds waiting past the deadline go
@@ -35,8 +35,8 @@ from cosine.common.streams import ModelWorker
 from cosine.engine.sampling import Sampling
 from cosine.engine.target import TargetEngine
 from cosine.engine.tree import DraftTree
-from cosine.scheduler.batching import BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed
-from cosine.scheduler.speculation import shorten_longest_first
+from cosine.common.batching import (BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed,
+                                    shorten_longest_first)
 
 BatchPolicy = Literal["fifo", "objective"]
 

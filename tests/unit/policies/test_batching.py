@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cosine.scheduler.batching import (
+from cosine.common.batching import (
     BatchLimits,
     DraftTimeModel,
     Measurement,

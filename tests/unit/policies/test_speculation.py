@@ -10,8 +10,8 @@ from cosine.scheduler.speculation import (
     SpeculationCosts,
     best_depth,
     expected_tokens,
-    shorten_longest_first,
 )
+from cosine.common.batching import shorten_longest_first
 
 
 def test_expected_tokens():

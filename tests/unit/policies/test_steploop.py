@@ -10,7 +10,7 @@ import pytest
 
 from cosine.common.v1 import common_pb2
 from cosine.engine.tree import DraftTree
-from cosine.scheduler.batching import BatchLimits
+from cosine.common.batching import BatchLimits
 from cosine.scheduler.steploop import Draft, Request, RoundOrder, StepLoop, Verdict, drafts_to_wait_for
 
 

@@ -10,7 +10,7 @@ from cosine.common.streams import ModelWorker
 from cosine.engine.hf_target import VerifyOutcome
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
-from cosine.scheduler.batching import BatchLimits, VerifyTimeModel
+from cosine.common.batching import BatchLimits, VerifyTimeModel
 from cosine.verifier.batcher import BatchStep, VerifyBatcher, _Pending, cut_tree, expected_committed
 
 

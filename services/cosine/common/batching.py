@@ -46,6 +46,7 @@ cap is taken, when nothing else can be, with its draft trimmed to fit
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -288,3 +289,27 @@ def expected_committed(tree: DraftTree, n: int | None = None, chain_only: bool =
         if keep is None or i in keep:
             total += path_prob[i]
     return 1.0 + total
+
+
+def shorten_longest_first(depths: Mapping[str, int], cap: int, floor: int = 0) -> dict[str, int]:
+    """Cut speculation until Σ depths ≤ cap, one token at a time from the longest (never below ``floor``).
+
+    Ties: the later key in ``depths`` order loses first. If even all-``floor``
+    exceeds the cap, returns all-``floor`` (the caller must split the batch).
+    """
+    if cap < 0:
+        raise ValueError(f"cap must be >= 0, got {cap}")
+    out = dict(depths)
+    excess = sum(out.values()) - cap
+    if excess <= 0:
+        return out
+    order = {k: i for i, k in enumerate(out)}
+    heap = [(-d, -order[k], k) for k, d in out.items() if d > floor]
+    heapq.heapify(heap)
+    while excess > 0 and heap:
+        neg_d, neg_i, k = heapq.heappop(heap)
+        out[k] = -neg_d - 1
+        excess -= 1
+        if out[k] > floor:
+            heapq.heappush(heap, (-out[k], neg_i, k))
+    return out
