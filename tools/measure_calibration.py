@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from measure_suffix import PROMPTS  # noqa: E402 - the prompt sets written for the suffix measurement
+from measure_suffix import PROMPTS, serve_one  # noqa: E402 - the prompt sets written for the suffix measurement
 
 
 def run(calibrate: bool, new_tokens: int, depth: int, outputs: dict) -> dict:
@@ -32,7 +32,7 @@ def run(calibrate: bool, new_tokens: int, depth: int, outputs: dict) -> dict:
     from cosine.bench.client import metric_sum, scrape
     from cosine.cluster import Cluster, ClusterSpec, free_port
     from cosine.common.v1 import common_pb2
-    from cosine.router.v1 import router_pb2, router_pb2_grpc
+    from cosine.router.v1 import router_pb2_grpc
 
     os.environ["COSINE_RUN_DIR"] = tempfile.mkdtemp(prefix="cosine-calibration-")
     os.environ["COSINE_FUSION_CALIBRATE"] = "true" if calibrate else "false"
@@ -50,19 +50,9 @@ def run(calibrate: bool, new_tokens: int, depth: int, outputs: dict) -> dict:
                 tokens = rounds = accepted = 0
                 t = time.perf_counter()
                 for i, (_, chat, text) in enumerate(PROMPTS[p]):
-                    request = router_pb2.GenerateRequest(max_new_tokens=new_tokens, speculation=dict(
+                    ids, final = serve_one(stub, chat, text, new_tokens, dict(
                         drafters=drafters, max_depth=depth, fusion=common_pb2.FUSION_MODE_CONFIDENCE, routing=False,
                         adaptive_depth=False))
-                    if chat:
-                        request.messages.append(router_pb2.ChatMessage(role="user", content=text))
-                    else:
-                        request.prompt = text.encode()
-                    ids, final = [], None
-                    for reply in stub.Generate(request, timeout=600):
-                        if reply.WhichOneof("kind") == "chunk":
-                            ids += reply.chunk.token_ids
-                        else:
-                            final = reply.final
                     outputs.setdefault((p, i), ids)
                     if outputs[(p, i)] != ids:
                         raise AssertionError(f"{p} prompt {i}: the output differs between calibration on and off")

@@ -107,6 +107,24 @@ def calibration(samples: list[Sample], depth: int) -> list[tuple[float, float, i
     return out
 
 
+def serve_one(stub, chat: bool, text: str, new_tokens: int, speculation: dict):
+    """One Generate stream through a local cluster's router: (token ids, the final message)."""
+    from cosine.router.v1 import router_pb2
+
+    request = router_pb2.GenerateRequest(max_new_tokens=new_tokens, speculation=speculation)
+    if chat:
+        request.messages.append(router_pb2.ChatMessage(role="user", content=text))
+    else:
+        request.prompt = text.encode()
+    ids, final = [], None
+    for reply in stub.Generate(request, timeout=600):
+        if reply.WhichOneof("kind") == "chunk":
+            ids += reply.chunk.token_ids
+        else:
+            final = reply.final
+    return ids, final
+
+
 def serve_passes(passes: list[str], new_tokens: int, depth: int) -> None:
     """Both passes through a local cluster, suffix first (its memory fills in pass 1), then ngram."""
     import os
@@ -116,7 +134,7 @@ def serve_passes(passes: list[str], new_tokens: int, depth: int) -> None:
 
     from cosine.cluster import Cluster, ClusterSpec, DrafterSpec, free_port
     from cosine.common.v1 import common_pb2
-    from cosine.router.v1 import router_pb2, router_pb2_grpc
+    from cosine.router.v1 import router_pb2_grpc
 
     os.environ["COSINE_RUN_DIR"] = tempfile.mkdtemp(prefix="cosine-suffix-")
     cluster = Cluster(ClusterSpec(router_port=free_port(), drafters=[DrafterSpec("suffix", "suffix"), DrafterSpec("ngram", "ngram")]))
@@ -131,19 +149,9 @@ def serve_passes(passes: list[str], new_tokens: int, depth: int) -> None:
                     tokens = rounds = accepted = 0
                     t = time.perf_counter()
                     for i, (_, chat, text) in enumerate(PROMPTS[p]):
-                        request = router_pb2.GenerateRequest(max_new_tokens=new_tokens, speculation=dict(
+                        ids, final = serve_one(stub, chat, text, new_tokens, dict(
                             drafters=[drafter], max_depth=depth, fusion=common_pb2.FUSION_MODE_SINGLE, routing=False,
                             adaptive_depth=False))
-                        if chat:
-                            request.messages.append(router_pb2.ChatMessage(role="user", content=text))
-                        else:
-                            request.prompt = text.encode()
-                        ids, final = [], None
-                        for reply in stub.Generate(request, timeout=600):
-                            if reply.WhichOneof("kind") == "chunk":
-                                ids += reply.chunk.token_ids
-                            else:
-                                final = reply.final
                         outputs.setdefault((p, i), ids)
                         if outputs[(p, i)] != ids:
                             raise AssertionError(f"{p} prompt {i}: {drafter}'s output differs from the other drafter's")

@@ -141,3 +141,17 @@ ADDRESS = __import__("re").compile(r"(ipv[46]:|unix:|\b\d{1,3}(\.\d{1,3}){3}(:\d
 
 def assert_no_address(message: str) -> None:
     assert not ADDRESS.search(message or ""), f"an internal address leaked: {message!r}"
+
+
+def holding(procs: list[Proc]) -> list[Proc]:
+    """The processes (verifiers, fusions) whose own load report says they hold a request now."""
+    import grpc
+
+    from cosine.common.v1 import common_pb2, common_pb2_grpc
+
+    out = []
+    for p in procs:
+        with grpc.insecure_channel(p.address) as channel:
+            if common_pb2_grpc.LoadStub(channel).Report(common_pb2.LoadRequest(), timeout=2).live_requests:
+                out.append(p)
+    return out

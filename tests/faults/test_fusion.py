@@ -10,10 +10,8 @@ import signal
 import sys
 import time
 
-import grpc
 
 from cosine.cluster import free_port
-from cosine.common.v1 import common_pb2, common_pb2_grpc
 from cosine.drafter.__main__ import DrafterSettings
 from cosine.drafter.__main__ import serve as serve_drafter
 from cosine.router.__main__ import RouterSettings
@@ -22,7 +20,7 @@ from cosine.scheduler.__main__ import SchedulerSettings  # gate_window_s=0: adap
 from cosine.scheduler.__main__ import serve as serve_scheduler
 from cosine.verifier.__main__ import VerifierSettings
 from cosine.verifier.__main__ import serve as serve_verifier
-from tests.faults.conftest import Proc, generate
+from tests.faults.conftest import Proc, generate, holding
 
 COMMON = {"port": 0, "drain_timeout_s": 0.5, "log_level": "WARNING"}
 PROMPTS = ["SELECT * FROM users WHERE", "def fibonacci(n): return n if n < 2 else fibonacci(n - 1)",
@@ -35,16 +33,6 @@ def fusion_proc(drafter: str) -> Proc:
     port = free_port()
     return Proc(f"fusion-{port}", [sys.executable, "-m", "cosine.fusion", "--port", str(port), "--drafters", f"ngram={drafter}",
                                    "--log-level", "WARNING", "--drain-timeout-s", "0"], port)
-
-
-def holding(procs: list[Proc]) -> list[Proc]:
-    """The processes whose own load report says they hold a request now."""
-    out = []
-    for p in procs:
-        with grpc.insecure_channel(p.address) as channel:
-            if common_pb2_grpc.LoadStub(channel).Report(common_pb2.LoadRequest(), timeout=2).live_requests:
-                out.append(p)
-    return out
 
 
 async def start(tiny_dirs, redis_server, fusions: list[Proc]) -> dict:

@@ -19,8 +19,7 @@ from cosine.router.__main__ import RouterSettings
 from cosine.router.__main__ import serve as serve_router
 from cosine.scheduler.__main__ import SchedulerSettings  # gate_window_s=0: adaptive requests keep drafting, so drafters are hit
 from cosine.scheduler.__main__ import serve as serve_scheduler
-from cosine.common.v1 import common_pb2, common_pb2_grpc
-from tests.faults.conftest import Proc, assert_no_address, generate
+from tests.faults.conftest import Proc, assert_no_address, generate, holding
 
 COMMON = {"port": 0, "drain_timeout_s": 0.5, "log_level": "WARNING"}
 PROMPT = "SELECT * FROM users WHERE"
@@ -71,14 +70,16 @@ def verifier_proc(tiny_dirs) -> Proc:
                                      str(tiny_dirs["target"]), "--threads", "1", "--log-level", "WARNING"], port)
 
 
-def holding(verifiers: list[Proc]) -> list[Proc]:
-    """The verifiers that hold a request now (their own load report)."""
-    out = []
-    for v in verifiers:
-        with grpc.insecure_channel(v.address) as channel:
-            if common_pb2_grpc.LoadStub(channel).Report(common_pb2.LoadRequest(), timeout=2).live_requests:
-                out.append(v)
-    return out
+async def start_over(s: dict, tiny_dirs, redis_server, verifiers: list[Proc], **scheduler) -> str:
+    """Drafter, fusion, scheduler (over every verifier) and router into `s`; the router's address."""
+    s["drafter"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
+    s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
+    s["scheduler"] = await serve_scheduler(SchedulerSettings(
+        verifier=",".join(v.address for v in verifiers), fusion=f"127.0.0.1:{s['fusion'].port}",
+        redis_url=redis_server, startup_timeout_s=30, gate_window_s=0, **scheduler, **COMMON))
+    s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
+                                                    model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
+    return f"127.0.0.1:{s['router'].port}"
 
 
 async def test_verifier_sigkilled_mid_stream_fails_over_to_the_other_replica(tiny_dirs, redis_server, greedy):
@@ -87,14 +88,7 @@ async def test_verifier_sigkilled_mid_stream_fails_over_to_the_other_replica(tin
     verifiers = [verifier_proc(tiny_dirs).start(), verifier_proc(tiny_dirs).start()]
     s = {}
     try:
-        s["drafter"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
-        s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
-        s["scheduler"] = await serve_scheduler(SchedulerSettings(
-            verifier=",".join(v.address for v in verifiers), fusion=f"127.0.0.1:{s['fusion'].port}",
-            redis_url=redis_server, startup_timeout_s=30, gate_window_s=0, **COMMON))
-        s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
-                                                        model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
-        router = f"127.0.0.1:{s['router'].port}"
+        router = await start_over(s, tiny_dirs, redis_server, verifiers)
         await asyncio.sleep(1)  # the scheduler's pool has seen both ready
         killed = []
 
@@ -136,14 +130,7 @@ async def test_verifier_sigstopped_mid_stream_past_the_step_deadline_fails_over_
     verifiers = [verifier_proc(tiny_dirs).start(), verifier_proc(tiny_dirs).start()]
     s = {}
     try:
-        s["drafter"] = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
-        s["fusion"] = await serve_fusion(FusionSettings(drafters=f"ngram=127.0.0.1:{s['drafter'].port}", **COMMON))
-        s["scheduler"] = await serve_scheduler(SchedulerSettings(
-            verifier=",".join(v.address for v in verifiers), fusion=f"127.0.0.1:{s['fusion'].port}",
-            redis_url=redis_server, startup_timeout_s=30, gate_window_s=0, verify_deadline_s=1.0, open_deadline_s=5.0, **COMMON))
-        s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=f"127.0.0.1:{s['fusion'].port}",
-                                                        model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
-        router = f"127.0.0.1:{s['router'].port}"
+        router = await start_over(s, tiny_dirs, redis_server, verifiers, verify_deadline_s=1.0, open_deadline_s=5.0)
         await asyncio.sleep(1)  # the scheduler's pool has seen both ready
         stopped = []
 

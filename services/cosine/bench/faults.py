@@ -173,18 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         print(table(rows[-1:]).splitlines()[-1], flush=True)
 
         drafters = [p for p in cluster.processes if p.name.startswith("drafter-")]
-        killed_at: list[float] = []
-
-        def kill_later():
-            if not killed_at:
-                killed_at.append(time.monotonic())
-                def kill():
-                    time.sleep(args.kill_after_s)
-                    for p in drafters:
-                        os.kill(p.pid, signal.SIGKILL)
-                import threading
-                threading.Thread(target=kill, daemon=True).start()
-
+        kill_later, killed_at = kill_on_first(drafters, args.kill_after_s)
         killed = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s, on_first=kill_later)
         rows.append(row("drafters SIGKILLed", killed, reference, base_median))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
@@ -240,18 +229,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # fusion last: the cluster runs one, so the requests decode plainly from here on
         fusions = [p for p in cluster.processes if p.name.startswith("fusion")]
-        fusion_killed: list[float] = []
-
-        def kill_fusion_later():
-            if not fusion_killed:
-                fusion_killed.append(time.monotonic())
-                def kill():
-                    time.sleep(args.kill_after_s)
-                    for p in fusions:
-                        os.kill(p.pid, signal.SIGKILL)
-                import threading
-                threading.Thread(target=kill, daemon=True).start()
-
+        kill_fusion_later, fusion_killed = kill_on_first(fusions, args.kill_after_s)
         outcomes = run_many(address, prompts, list(range(n)), args.max_new_tokens, args.timeout_s, on_first=kill_fusion_later)
         hit = sum(o.ended > fusion_killed[0] + args.kill_after_s for o in outcomes) if fusion_killed else 0
         rows.append(row("fusion SIGKILLed", outcomes, reference, base_median, hit=hit))
@@ -269,6 +247,25 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if r.identical != r.completed or set(r.errors) - {"RESOURCE_EXHAUSTED"}
            or (r.slowest_refusal_ms or 0) > 100 or r.hit == 0]
     return 1 if bad else 0
+
+
+def kill_on_first(processes, after_s: float):
+    """(an on_first callback that SIGKILLs every one of `processes` `after_s` after the first stream's first
+    tokens, in a thread so the client's loop goes on; the list that gets the time of that first call)."""
+    import threading
+
+    started: list[float] = []
+
+    def on_first():
+        if not started:
+            started.append(time.monotonic())
+
+            def kill():
+                time.sleep(after_s)
+                for p in processes:
+                    os.kill(p.pid, signal.SIGKILL)
+            threading.Thread(target=kill, daemon=True).start()
+    return on_first, started
 
 
 def _alive(pid: int) -> bool:
