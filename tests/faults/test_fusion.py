@@ -35,13 +35,13 @@ def fusion_proc(drafter: str) -> Proc:
                                    "--log-level", "WARNING", "--drain-timeout-s", "0"], port)
 
 
-async def start(tiny_dirs, redis_server, fusions: list[Proc]) -> dict:
+async def start(tiny_dirs, redis_server, fusions: list[Proc], **scheduler) -> dict:
     s = {}
     s["verifier"] = await serve_verifier(VerifierSettings(model=str(tiny_dirs["target"]), threads=1, **COMMON))
     s["scheduler"] = await serve_scheduler(SchedulerSettings(
         verifier=f"127.0.0.1:{s['verifier'].port}", fusion=",".join(f.address for f in fusions), redis_url=redis_server,
-        startup_timeout_s=30, gate_window_s=0, draft_deadline_s=1.0, first_draft_deadline_s=3.0,
-        pool_poll_interval_s=0.2, **COMMON))
+        startup_timeout_s=30, gate_window_s=0, pool_poll_interval_s=0.2,
+        **({"draft_deadline_s": 1.0, "first_draft_deadline_s": 3.0} | scheduler), **COMMON))
     s["router"] = await serve_router(RouterSettings(scheduler=f"127.0.0.1:{s['scheduler'].port}", fusion=fusions[0].address,
                                                     model=str(tiny_dirs["target"]), default_drafters=["ngram"], **COMMON))
     await asyncio.sleep(0.6)  # the scheduler's pool has seen every fusion replica ready
@@ -127,6 +127,39 @@ async def test_the_only_fusion_stopped_then_killed_requests_decode_plainly_ident
             assert err is None, err
             assert ids == greedy(PROMPTS[2], 24)
             assert time.perf_counter() - started < 3.0 + 2.0
+    finally:
+        await stop(s)
+        fusion.kill()
+
+
+async def test_a_request_decoding_plainly_drafts_again_once_fusion_is_back(tiny_dirs, redis_server, greedy):
+    """The only fusion stops (SIGSTOP) under a long stream and resumes (SIGCONT) half a second later: the
+    request decodes plainly past the draft deadline, then, fusion_retry_s after it lost fusion and with the
+    replica's health check passing again, reopens there and drafts for the rest of its tokens; identical."""
+    import threading
+
+    drafter = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
+    fusion = fusion_proc(f"127.0.0.1:{drafter.port}").start()
+    s = {"drafter": drafter}
+    try:
+        s.update(await start(tiny_dirs, redis_server, [fusion], draft_deadline_s=0.3, fusion_retry_s=0.5))
+        router = f"127.0.0.1:{s['router'].port}"
+        paused = []
+
+        def pause():
+            if not paused:
+                paused.append(time.perf_counter())
+                fusion.signal(signal.SIGSTOP)
+                threading.Timer(0.6, fusion.signal, (signal.SIGCONT,)).start()
+
+        prompt, n = PROMPTS[2], 440
+        started = time.perf_counter()
+        ids, final, err = await generate(router, prompt, n, on_first=pause, speculation={"drafters": ["ngram"]})
+        assert paused and err is None, err
+        assert ids == greedy(prompt, n)
+        assert failovers(s, "plain") >= 1, "the stop did not reach a draft"
+        assert failovers(s, "reopened") >= 1, (f"the request never drafted again ({time.perf_counter() - started:.1f} s, "
+                                               f"fusion stopped {paused[0] - started:.1f} s in)")
     finally:
         await stop(s)
         fusion.kill()

@@ -67,6 +67,9 @@ class SchedulerSettings(ServiceSettings):
     first_draft_deadline_s: float = Field(15.0, gt=0, description=(
         "deadline of a request's first round at fusion (its drafters prefill the prompt; above fusion's "
         "--drafter-first-call-s)"))
+    fusion_retry_s: float = Field(5.0, gt=0, description=(
+        "a request that decodes plainly for want of fusion (its stream failed, or none was ready) tries a ready "
+        "fusion replica again after this many seconds"))
     verify_deadline_s: float = Field(5.0, gt=0, description=(
         "shortest deadline of one verification step (the deadline is 10 × the measured step time, at least this); "
         "past it the verifier is taken for dead and its requests fail over to another replica"))
@@ -141,7 +144,7 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
                              routing_threshold=settings.routing_threshold, verifier_queue_high=settings.verifier_queue_high,
                              step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens,
                              gate_window_s=settings.gate_window_s, draft_deadline_s=settings.draft_deadline_s,
-                             first_draft_deadline_s=settings.first_draft_deadline_s,
+                             first_draft_deadline_s=settings.first_draft_deadline_s, fusion_retry_s=settings.fusion_retry_s,
                              verify_deadline_s=settings.verify_deadline_s, open_deadline_s=settings.open_deadline_s)
     servicer = SchedulerServicer(store, verifiers, fusions, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer

@@ -120,6 +120,7 @@ class SchedulerConfig:
     first_draft_deadline_s: float = 15.0  # deadline of a request's first round (the drafters prefill its prompt)
     verify_deadline_s: float = 5.0  # shortest deadline of a verification step (10 × the measured step, at least this)
     open_deadline_s: float = 30.0  # shortest deadline of a step that opens requests (the verifier prefills them)
+    fusion_retry_s: float = 5.0  # a request decoding plainly for want of fusion tries a ready replica again after this
 
 
 def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Switches:
@@ -191,6 +192,7 @@ class LiveRequest:
     fusion: Endpoint | None = None  # the fusion replica spec_call goes to (None: plain decoding)
     fusion_generation: int = 0  # bumped when the request reopens at another fusion replica
     fusion_fresh: bool = True  # spec_call has answered no round yet (its drafters prefill on the first)
+    fusion_lost_at: float | None = None  # when the request last lost (or never had) a fusion stream
     timeout_at: float | None = None  # the Submit call's deadline (time.monotonic()), for a reopened Speculate stream
     metadata: tuple = ()  # trace metadata of the Speculate streams
     fusion_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -407,6 +409,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         live = LiveRequest(plan, spec_call, sampling, prompt, asyncio.Queue(), self.tracing.carrier(), verifier, epoch=epoch,
                            resumed=state is not None, sent=request.resume_from if state is not None else 0, fusion=fusion,
                            timeout_at=None if timeout is None else time.monotonic() + timeout, metadata=metadata)
+        if plan.speculate and fusion is None:
+            live.fusion_lost_at = self.clock.now()
         if self.live.get(rid) is mine[0]:
             self.live[rid] = mine[0] = live
         self._ensure_heartbeat()
@@ -597,7 +601,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def plan_round(self, request: Request, room: int) -> RoundOrder:
         live: LiveRequest = request.payload
         live.round_span(self.tracing)
-        if live.spec_call is None:
+        if live.spec_call is None and not self._fusion_back(live):
             return RoundOrder(0)
         d, drafters, budget = self._round_plan(live.plan, room)
         return RoundOrder(d, drafters, budget)
@@ -626,8 +630,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         drafts there; with none, this round and the rest of the request decode plainly (an empty tree)."""
         live: LiveRequest = request.payload
         generation = live.fusion_generation
+        broke = False
         async with live.fusion_lock:  # one stream, in order
-            for _ in range(2):  # its fusion replica, then (that one failed) another
+            for _ in range(2):  # its fusion replica (or, decoding plainly, a ready one again), then another
                 if live.spec_call is None and not await self._reopen_fusion(request):
                     break
                 # a stream reopened after this order was made has every committed token from its open
@@ -638,8 +643,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     raise
                 except Exception as exc:  # noqa: BLE001 - fusion failed or hung: not the request's failure
                     self._fusion_broke(live, exc, request_id=request.request_id)
-        self.metrics.fusion_failovers.labels("plain").inc()
+                    broke = True
+        if broke:
+            self.metrics.fusion_failovers.labels("plain").inc()
         return Draft(DraftTree(), [], 0.0, None)
+
+    def _fusion_back(self, live: LiveRequest) -> bool:
+        """A request decoding plainly for want of fusion drafts again (reopening at a ready replica) once
+        fusion_retry_s passed since it lost its stream."""
+        return (live.plan.speculate and live.fusion_lost_at is not None
+                and self.clock.now() - live.fusion_lost_at >= self.config.fusion_retry_s
+                and any(e.healthy for e in self.fusions.endpoints()))
 
     async def _speculate_round(self, request: Request, order: RoundOrder, committed: list[int]) -> Draft:
         live: LiveRequest = request.payload
@@ -677,6 +691,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             return
         close_quietly(live.spec_call)
         live.spec_call = None
+        live.fusion_lost_at = self.clock.now()
         code = exc.code if isinstance(exc, ServiceError) else getattr(exc, "code", lambda: None)()
         log.warning("fusion stream of request %s failed (%s): drafting goes on elsewhere or stops", request_id,
                     getattr(code, "name", type(exc).__name__))
@@ -691,6 +706,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Open the request at another ready fusion replica with every token it committed (no prompt scoring:
         routing keeps what it learnt). False: none is ready, or the open failed."""
         live: LiveRequest = request.payload
+        live.fusion_lost_at = self.clock.now()  # a failed try waits fusion_retry_s again
         fusion = self._pick_fusion()
         if fusion is None:
             return False
@@ -710,7 +726,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.fusions.mark_down(fusion)
             self.fusions.release(fusion)
             return False
-        live.spec_call, live.fusion, live.fusion_fresh = call, fusion, True
+        live.spec_call, live.fusion, live.fusion_fresh, live.fusion_lost_at = call, fusion, True, None
         live.fusion_generation += 1
         self.metrics.fusion_failovers.labels("reopened").inc()
         log.warning("request %s reopened at fusion replica %s", request.request_id, fusion.name)
