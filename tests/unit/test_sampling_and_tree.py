@@ -5,13 +5,34 @@ import math
 import pytest
 import torch
 
-from cosine.engine.sampling import Sampling, choose_tokens, sample_from, target_probs, uniform_at
+from cosine.engine.sampling import Sampling, choose_tokens, greedy_tokens, sample_from, target_probs, uniform_at
 from cosine.engine.tree import DraftTree, walk
 
 
 def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 1.0]])
     assert choose_tokens(logits, Sampling(), [0, 1]) == [1, 0]
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, 7919])  # 7919 is prime: no chunk width, plain argmax
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_match_argmax_ties_and_nan_included(vocab, dtype):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(24, vocab, generator=gen).to(dtype)
+    top = float(logits.float().max()) + 1
+    logits[1, [5, vocab - 1]] = top  # a tie: the first index wins
+    logits[2, [vocab - 3, vocab - 2]] = top  # a tie inside the last chunk
+    logits[3] = float("-inf")  # no finite value at all: index 0
+    logits[4, 7] = float("nan")  # argmax picks the NaN
+    logits[5, [0, vocab // 2]] = float("inf")
+    logits[6] = 0.0  # all equal
+    logits[7, vocab // 3] = top  # the maximum at a chunk's edge region
+    logits[7, vocab // 3 + 1] = top
+    got = greedy_tokens(logits)
+    assert got == logits.argmax(dim=-1).tolist()
+    assert got[1] == 5 and got[2] == vocab - 3 and got[3] == 0 and got[4] == 7 and got[5] == 0 and got[6] == 0
+    assert greedy_tokens(logits[:1]) == logits[:1].argmax(dim=-1).tolist()
+    assert choose_tokens(logits, Sampling(), list(range(24))) == got
 
 
 def test_top_k_and_top_p_mask_the_tail():

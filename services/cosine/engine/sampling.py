@@ -10,6 +10,7 @@ each token is an exact sample of the target's distribution.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -80,9 +81,42 @@ def sample_from(probs: torch.Tensor, u: float) -> int:
     return index
 
 
+@functools.lru_cache(maxsize=16)
+def _argmax_chunk(vocab: int) -> int | None:
+    """A divisor of the vocabulary near its square root (the chunk width of `greedy_tokens`), or None."""
+    root = math.isqrt(vocab)
+    for c in sorted(range(32, 4097), key=lambda c: (abs(c - root), c)):
+        if vocab % c == 0:
+            return c
+    return None
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """torch.argmax of each row of [n, vocab] logits (the first index of the row's maximum), fast on CPU.
+
+    ATen's CPU argmax over a long last dimension runs element by element (~30 us a row of 49k
+    here, 0.5 ms for a 16-node tree); max is vectorized. So: the max of each chunk of the row,
+    the first chunk holding the row's max, the argmax within that chunk. Same answer
+    as torch.argmax, ties included; rows with a NaN (where argmax picks the NaN) fall back to it.
+    """
+    n, vocab = logits.shape
+    c = _argmax_chunk(vocab) if logits.device.type == "cpu" and n > 0 else None
+    if c is None:
+        return logits.argmax(dim=-1).tolist()
+    x = logits.contiguous().view(n, vocab // c, c)
+    chunk_max = x.amax(dim=-1)  # [n, vocab / c]
+    row_max = chunk_max.amax(dim=-1, keepdim=True)  # [n, 1]
+    hit = chunk_max == row_max
+    if not bool(hit.any(dim=-1).all()):  # a NaN row: amax gives NaN, which equals nothing
+        return logits.argmax(dim=-1).tolist()
+    first_chunk = hit.to(torch.uint8).argmax(dim=-1)  # argmax returns the first of equal maxima
+    in_chunk = x[torch.arange(n), first_chunk].argmax(dim=-1)  # [n, c]: short rows, argmax is cheap there
+    return (first_chunk * c + in_chunk).tolist()
+
+
 def choose_tokens(logits: torch.Tensor, sampling: Sampling, positions: list[int]) -> list[int]:
     """The target's token for each row of [n, vocab] logits; row i chooses the token at positions[i]."""
     if sampling.greedy:
-        return logits.argmax(dim=-1).tolist()
+        return greedy_tokens(logits)
     probs = target_probs(logits, sampling)
     return [sample_from(probs[i], uniform_at(sampling.seed, pos)) for i, pos in enumerate(positions)]
