@@ -5,7 +5,14 @@ import math
 import pytest
 import torch
 
-from cosine.engine.sampling import Sampling, choose_tokens, greedy_tokens, sample_from, target_probs, uniform_at
+from cosine.engine.sampling import (
+    Sampling,
+    choose_tokens,
+    greedy_tokens,
+    sample_from,
+    target_probs,
+    uniform_at,
+)
 from cosine.engine.tree import DraftTree, walk
 
 
@@ -33,6 +40,35 @@ def test_greedy_tokens_match_argmax_ties_and_nan_included(vocab, dtype):
     assert got[1] == 5 and got[2] == vocab - 3 and got[3] == 0 and got[4] == 7 and got[5] == 0 and got[6] == 0
     assert greedy_tokens(logits[:1]) == logits[:1].argmax(dim=-1).tolist()
     assert choose_tokens(logits, Sampling(), list(range(24))) == got
+
+
+def _top_p_by_full_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The top-p cut as the whole vocabulary sorted defines it (the reference)."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p >= top_p
+    probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+@pytest.mark.parametrize("vocab", [49152, 5000, 300, 50])
+def test_top_p_equals_the_full_sort(vocab):
+    """Peaked rows (the top 64 or 1024 hold the nucleus) and flat ones (the whole vocabulary sorted), mixed
+    in one batch: the same probabilities, bit for bit, as sorting everything."""
+    gen = torch.Generator().manual_seed(vocab)
+    for scale in (0.2, 2.0, 6.0, 30.0):
+        logits = torch.randn(9, vocab, generator=gen) * scale
+        logits[0] *= 20  # one very peaked row among flatter ones
+        for top_p in (0.05, 0.5, 0.9, 0.99, 0.999999):
+            for top_k in (0, 40):
+                s = Sampling(temperature=0.8, top_p=top_p, top_k=top_k)
+                scaled = logits.double() / s.temperature
+                if top_k:
+                    kth = torch.topk(scaled, top_k, dim=-1).values[..., -1:]
+                    scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+                ref = _top_p_by_full_sort(torch.softmax(scaled, dim=-1), top_p)
+                got = target_probs(logits, s)
+                assert torch.equal(got, ref), (vocab, scale, top_p, top_k)
+                assert ((got > 0).sum(-1) >= 1).all()
 
 
 def test_top_k_and_top_p_mask_the_tail():
