@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cosine.engine.sampling import (
+    RowChoices,
     Sampling,
     choose_tokens,
     greedy_tokens,
@@ -69,6 +70,29 @@ def test_top_p_equals_the_full_sort(vocab):
                 got = target_probs(logits, s)
                 assert torch.equal(got, ref), (vocab, scale, top_p, top_k)
                 assert ((got > 0).sum(-1) >= 1).all()
+
+
+def test_row_choices_choose_only_the_rows_read():
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 1000, generator=gen) * 4
+    positions = [40, 41, 42, 42, 43, 41]
+    for sampling in (Sampling(), Sampling(temperature=0.9, top_p=0.8, top_k=30, seed=7)):
+        rows = RowChoices(logits, sampling, positions)
+        assert len(rows) == 6
+        assert rows[3] == choose_tokens(logits[3:4], sampling, [42])[0]
+        assert rows[0] == choose_tokens(logits[0:1], sampling, [40])[0]
+        assert sorted(rows._chosen) == [0, 3]  # rows nobody read were never chosen
+        assert [rows[i] for i in range(6)] == choose_tokens(logits, sampling, positions)
+        with pytest.raises(IndexError):
+            rows[6]
+    with pytest.raises(ValueError):
+        RowChoices(logits, Sampling(), positions[:5])
+    # a walk reads the root's row, then the rows of the nodes it accepts, nothing else
+    greedy = greedy_tokens(logits[:4])  # row 0: the root, row i + 1: node i
+    tree = DraftTree([greedy[0], (greedy[0] + 1) % 1000, (greedy[1] + 1) % 1000], [-1, -1, 0])
+    rows = RowChoices(logits[:4], Sampling(), [10, 11, 11, 12])
+    assert walk(tree, rows) == ([0], greedy[1])  # node 0 accepted, node 2 rejected: the bonus is row 1's choice
+    assert sorted(rows._chosen) == [0, 1]  # rows 2 and 3 (nodes 1 and 2) were never chosen
 
 
 def test_top_k_and_top_p_mask_the_tail():

@@ -140,6 +140,34 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return (first_chunk * c + in_chunk).tolist()
 
 
+class RowChoices:
+    """The target's token after each row of [n, vocab] logits, chosen when first read (`choices[i]`).
+
+    A walk over a draft reads only the rows on its accepted path and one more, and choosing by
+    sampling costs a softmax over the vocabulary (plus a top-k/top-p cut) per row: for a 16-node
+    tree the rows nobody reads were most of the cost. Row i is chosen exactly as `choose_tokens`
+    chooses a single row, as plain decoding does.
+    """
+
+    def __init__(self, logits: torch.Tensor, sampling: Sampling, positions: list[int]):
+        if logits.shape[0] != len(positions):
+            raise ValueError(f"{logits.shape[0]} rows of logits but {len(positions)} positions")
+        self._logits = logits
+        self._sampling = sampling
+        self._positions = positions
+        self._chosen: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._positions)
+
+    def __getitem__(self, i: int) -> int:
+        if not 0 <= i < len(self._positions):
+            raise IndexError(f"row {i} of {len(self._positions)}")
+        if i not in self._chosen:
+            self._chosen[i] = choose_tokens(self._logits[i:i + 1], self._sampling, [self._positions[i]])[0]
+        return self._chosen[i]
+
+
 def choose_tokens(logits: torch.Tensor, sampling: Sampling, positions: list[int]) -> list[int]:
     """The target's token for each row of [n, vocab] logits; row i chooses the token at positions[i]."""
     if sampling.greedy:
