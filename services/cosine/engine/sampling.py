@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -140,7 +141,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return (first_chunk * c + in_chunk).tolist()
 
 
-class RowChoices:
+class RowChoices(Sequence):
     """The target's token after each row of [n, vocab] logits, chosen when first read (`choices[i]`).
 
     A walk over a draft reads only the rows on its accepted path and one more, and choosing by
