@@ -4,7 +4,9 @@ For each backend: a one-token decode at batch 1 and 8, verifying a 4-token
 chain and a 16-node tree at batch 1 and 8; each as the median milliseconds of
 one forward step (plus the cut back to the prompt) and as a ratio to the same
 backend's one-token decode at batch 1. Then the bookkeeping costs (cut back,
-release + reopen slot) in microseconds.
+release + reopen slot) in microseconds. Greedy by default; --temperature (with
+--top-p, --top-k) makes the native and hf_target backends verify by seeded
+sampling, token choice included in the time.
 
 The `transformers` backend is measured at its best: one batched forward of
 `LlamaForCausalLM` over a batched DynamicCache (equal prompt lengths, so no
@@ -72,10 +74,8 @@ class NativeBench:
         self.prompt_len = len(prompt)
         self.target.open_batch([(rid, prompt, len(prompt)) for rid in self.rids])
 
-    def step(self, drafts) -> None:
-        from cosine.engine.sampling import Sampling
-
-        self.target.verify_batch([(rid, d, Sampling()) for rid, d in zip(self.rids, drafts)])
+    def step(self, drafts, sampling) -> None:
+        self.target.verify_batch([(rid, d, sampling) for rid, d in zip(self.rids, drafts)])
         for rid in self.rids:
             self.target.truncate(rid, self.prompt_len)
 
@@ -117,11 +117,9 @@ class HFTargetBench:
         for rid in self.rids:
             self.target.open(rid, prompt, len(prompt))
 
-    def step(self, drafts) -> None:
-        from cosine.engine.sampling import Sampling
-
+    def step(self, drafts, sampling) -> None:
         for rid, d in zip(self.rids, drafts):
-            self.target.verify(rid, d, Sampling())  # a tree: its main chain only (HFTarget's rule)
+            self.target.verify(rid, d, sampling)  # a tree: its main chain only (HFTarget's rule)
         for rid in self.rids:  # cut back to the prompt
             slot = self.target._slots[rid]
             extra = len(slot.tokens) - self.prompt_len
@@ -155,7 +153,7 @@ class HFBench:
         self.last = prompt[-1]
 
     @torch.inference_mode()
-    def step(self, drafts) -> None:
+    def step(self, drafts, sampling) -> None:  # greedy only (main() refuses sampling for this backend)
         tree = drafts[0]
         n = len(tree) + 1
         ids = torch.tensor([[self.last, *d.tokens] for d in drafts], device=self.device)
@@ -186,6 +184,9 @@ class HFBench:
 
 
 def run(args) -> dict:
+    from cosine.engine.sampling import Sampling
+
+    sampling = Sampling(args.temperature, args.top_p, args.top_k, args.seed)
     torch.set_num_threads(args.threads)
     # cpu: this thread's CPU time, which a descheduled step does not accrue (one thread only: with more,
     # the other threads' work would be missed); wall: elapsed time
@@ -213,13 +214,13 @@ def run(args) -> dict:
         for b in backends:
             b.setup(batch, prompt)
             for kind, n in CASES:  # warm up
-                b.step([make_draft(kind, n, rng, vocab) for _ in range(batch)])
+                b.step([make_draft(kind, n, rng, vocab) for _ in range(batch)], sampling)
         for _ in range(args.repeats):
             for b in backends:
                 for kind, n in CASES:
                     drafts = [make_draft(kind, n, rng, vocab) for _ in range(batch)]
                     t0 = clock()
-                    b.step(drafts)
+                    b.step(drafts, sampling)
                     times.setdefault((b.name, kind, batch), []).append((clock() - t0) * 1e3)
                     bar.update(1)
     bar.close()
@@ -257,7 +258,8 @@ def run(args) -> dict:
     return {"model": str(path), "threads": args.threads, "clock": args.clock, "device": args.device, "dtype": args.dtype,
             "auto_dtype": auto, "cpu_bf16_flags": cpu_bf16_flags() if args.device == "cpu" else [],
             "context": args.context, "repeats": args.repeats, "rows": rows, "bookkeeping_us": book,
-            "summary": summary}
+            "summary": summary, "sampling": {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                             "top_k": sampling.top_k, "seed": sampling.seed}}
 
 
 def _target_path():
@@ -266,9 +268,15 @@ def _target_path():
     return prepare_target()
 
 
+def _sampling_text(s: dict) -> str:
+    if s["temperature"] == 0:
+        return "greedy"
+    return f"sampling: temperature {s['temperature']} top_p {s['top_p']} top_k {s['top_k']} seed {s['seed']}"
+
+
 def format_table(result: dict) -> str:
     lines = [f"model {result['model']}  threads {result['threads']}  clock {result['clock']}  {result['device']}/{result['dtype']}  "
-             f"context {result['context']}  median of {result['repeats']}",
+             f"context {result['context']}  median of {result['repeats']}  {_sampling_text(result['sampling'])}",
              f"--dtype auto picks {result['auto_dtype']}; CPU bf16 features: "
              f"{', '.join(result['cpu_bf16_flags']) or 'none'}",
              f"{'backend':<13}{'case':<8}{'batch':>6}{'ms':>10}{'min ms':>10}{'× decode b1':>13}{'tok/s':>9}"]
@@ -300,8 +308,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="wall: elapsed time; cpu: the thread's CPU time, robust to other processes on a busy machine "
                          "(needs --threads 1)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy (default); above 0: the native and hf_target backends verify by seeded sampling")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    from cosine.engine.sampling import Sampling
+
+    try:
+        Sampling(args.temperature, args.top_p, args.top_k, args.seed).check()
+    except ValueError as e:
+        ap.error(str(e))
+    if args.temperature > 0 and "transformers" in args.backends.split(","):
+        ap.error("the transformers backend measures greedy steps only: with --temperature, pick --backends from "
+                 "native, native-bf16, hf_target")
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu measures one thread: use it with --threads 1")
     result = run(args)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cosine.engine.sampling import Sampling, choose_tokens
+from cosine.engine.sampling import RowChoices, Sampling
 from cosine.engine.tree import DraftTree, walk
 
 
@@ -78,7 +78,7 @@ class HFTarget:
         n_ctx = len(slot.tokens)
         ids = torch.tensor([[slot.tokens[-1], *chain.tokens]], device=self.device)
         logits = self.model(input_ids=ids, cache=slot.cache, use_cache=True).logits[0]  # [k+1, vocab]
-        choice = choose_tokens(logits.float(), sampling, [n_ctx + j for j in range(len(chain) + 1)])
+        choice = RowChoices(logits.float(), sampling, [n_ctx + j for j in range(len(chain) + 1)])  # rows the walk reads
         path, bonus = walk(chain, choice)
         accepted = [chain.tokens[i] for i in path]
         rejected = len(chain) - len(path)

@@ -24,7 +24,7 @@ import torch
 from cosine.engine.acceptance import rejection_sample
 from cosine.engine.hf_target import VerifyOutcome
 from cosine.engine.llama import NativeLlama, Seq
-from cosine.engine.sampling import Sampling, choose_tokens, target_probs, uniform_at
+from cosine.engine.sampling import RowChoices, Sampling, target_probs, uniform_at
 from cosine.engine.tree import DraftTree, walk
 
 _ACCEPT_SALT = 0x5DEECE66D  # accept/reject uniforms: a stream apart from the sampling one
@@ -158,7 +158,7 @@ class NativeTarget:
                 accepted, bonus = rejected.pop(0)
                 path = list(range(len(accepted)))
             else:
-                choice = choose_tokens(logits, sampling, [n_ctx] + [n_ctx + d for d in depths])
+                choice = RowChoices(logits, sampling, [n_ctx] + [n_ctx + d for d in depths])  # rows the walk reads
                 path, bonus = walk(tree, choice)
                 accepted = [tree.tokens[i] for i in path]
             self.cache.move(req.slot, [start + 1 + i for i in path], [start + 1 + j for j in range(len(path))])

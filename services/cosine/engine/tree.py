@@ -7,6 +7,7 @@ n tokens has parents [-1, 0, ..., n-2].
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -52,7 +53,7 @@ class DraftTree:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
-def walk(tree: DraftTree, target_choice: list[int]) -> tuple[list[int], int]:
+def walk(tree: DraftTree, target_choice: Sequence[int]) -> tuple[list[int], int]:
     """Accept the path the target agrees with.
 
     target_choice[0] is the target's token after the committed prefix and
@@ -60,7 +61,8 @@ def walk(tree: DraftTree, target_choice: list[int]) -> tuple[list[int], int]:
     its processed distribution otherwise). Starting at the root, descend to the
     child holding the target's token; the first token that no child holds is the
     bonus token. Returns (accepted node indices, bonus token). Exact for any tree
-    whose tokens are point-mass proposals.
+    whose tokens are point-mass proposals. Reads target_choice only at the root and at
+    accepted nodes (a `RowChoices` chooses those rows alone).
     """
     children: dict[int, dict[int, int]] = {}
     for i, (tok, parent) in enumerate(zip(tree.tokens, tree.parents)):

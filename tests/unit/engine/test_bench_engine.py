@@ -34,3 +34,20 @@ def test_bench_engine_cpu_clock_and_dtype_report(tiny_models, capsys):
     assert out["cpu_bf16_flags"] == cpu_bf16_flags()
     with pytest.raises(SystemExit):
         main(["--clock", "cpu", "--threads", "2"])
+
+
+def test_bench_engine_with_sampling(tiny_models, capsys):
+    assert main(["--model", str(tiny_models["llama"]), "--repeats", "1", "--context", "16", "--threads", "1",
+                 "--backends", "native,hf_target", "--temperature", "0.8", "--top-p", "0.9", "--seed", "4",
+                 "--json", "--no-progress"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 0, "seed": 4}
+    assert {(r["backend"], r["case"]) for r in out["rows"]} >= {("native", "tree16"), ("hf_target", "tree16")}
+    assert "native_tree16_b1_over_decode_b1" in out["summary"]
+    with pytest.raises(SystemExit):  # the transformers backend is greedy only
+        main(["--model", str(tiny_models["llama"]), "--temperature", "0.8"])
+    with pytest.raises(SystemExit):
+        main(["--model", str(tiny_models["llama"]), "--backends", "native", "--top-p", "0"])
+    assert main(["--model", str(tiny_models["llama"]), "--repeats", "1", "--context", "16", "--threads", "1",
+                 "--backends", "native", "--no-progress"]) == 0
+    assert "greedy" in capsys.readouterr().out.splitlines()[0]

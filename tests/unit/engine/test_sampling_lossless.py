@@ -181,3 +181,34 @@ def test_engine_sampling_matches_target(tiny_models, hf_models, mode):
     assert got < 1.5 * ref + 0.01, (got, ref)
     assert half < 1.5 * ref_half + 0.01, (half, ref_half)
     assert got < 0.25 * tv(exact, drafter), (got, tv(exact, drafter))
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0.9, top_p=0.9, seed=5),
+                                      Sampling(temperature=1.3, top_k=20, top_p=0.97, seed=9),
+                                      Sampling(temperature=0.7, seed=2)])
+def test_seeded_trees_equal_plain_seeded_decoding(tiny_models, sampling):
+    """Seeded sampling through draft trees (rows chosen only when the walk reads them) emits exactly the
+    tokens of plain seeded decoding, and the trees are accepted often enough to exercise the tree path."""
+    import random
+
+    from .helpers import random_tree
+
+    n_new = 40
+    prompt = [3, 14, 15, 92, 65, 35]
+    plain = NativeTarget.from_pretrained(tiny_models["llama"], n_slots=1, max_context=128)
+    plain.open("p", prompt, len(prompt))
+    ref: list[int] = []
+    while len(ref) < n_new + 8:
+        ref.extend(plain.verify("p", DraftTree(), sampling).token_ids)
+    spec = NativeTarget.from_pretrained(tiny_models["llama"], n_slots=1, max_context=128)
+    spec.open("s", prompt, len(prompt))
+    rng = random.Random(sampling.seed)
+    got: list[int] = []
+    accepted = 0
+    while len(got) < n_new:
+        tree = random_tree(rng, 96, ref[len(got):], max_nodes=8, chain=False)
+        out = spec.verify("s", tree, sampling)
+        got.extend(out.token_ids)
+        accepted += out.accepted_draft
+    assert got[:n_new] == ref[:n_new]
+    assert accepted >= n_new // 4, accepted
