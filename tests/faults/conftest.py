@@ -155,3 +155,19 @@ def holding(procs: list[Proc]) -> list[Proc]:
             if common_pb2_grpc.LoadStub(channel).Report(common_pb2.LoadRequest(), timeout=2).live_requests:
                 out.append(p)
     return out
+
+
+def on_first(proc: Proc, sig: int, then: tuple[float, int] | None = None):
+    """(a generate() on_first callback that sends `sig` to `proc` once, the list that gets when it did);
+    `then` = (seconds, signal): send that one too, so many seconds later (SIGSTOP, then SIGCONT)."""
+    import threading
+
+    sent: list[float] = []
+
+    def callback():
+        if not sent:
+            sent.append(time.perf_counter())
+            proc.signal(sig)
+            if then is not None:
+                threading.Timer(then[0], proc.signal, (then[1],)).start()
+    return callback, sent

@@ -20,7 +20,7 @@ from cosine.scheduler.__main__ import SchedulerSettings  # gate_window_s=0: adap
 from cosine.scheduler.__main__ import serve as serve_scheduler
 from cosine.verifier.__main__ import VerifierSettings
 from cosine.verifier.__main__ import serve as serve_verifier
-from tests.faults.conftest import Proc, generate, holding
+from tests.faults.conftest import Proc, generate, holding, on_first
 
 COMMON = {"port": 0, "drain_timeout_s": 0.5, "log_level": "WARNING"}
 PROMPTS = ["SELECT * FROM users WHERE", "def fibonacci(n): return n if n < 2 else fibonacci(n - 1)",
@@ -100,13 +100,7 @@ async def test_the_only_fusion_stopped_then_killed_requests_decode_plainly_ident
     try:
         s.update(await start(tiny_dirs, redis_server, [fusion]))
         router = f"127.0.0.1:{s['router'].port}"
-        stopped = []
-
-        def stop_fusion():
-            if not stopped:
-                stopped.append(time.perf_counter())
-                fusion.signal(signal.SIGSTOP)
-
+        stop_fusion, stopped = on_first(fusion, signal.SIGSTOP)
         runs = [(p, spec) for p in PROMPTS[:2] for spec in SPECS]
         results = await asyncio.gather(*(generate(router, p, N, on_first=stop_fusion, **spec) for p, spec in runs))
         ended = time.perf_counter()
@@ -136,22 +130,13 @@ async def test_a_request_decoding_plainly_drafts_again_once_fusion_is_back(tiny_
     """The only fusion stops (SIGSTOP) under a long stream and resumes (SIGCONT) half a second later: the
     request decodes plainly past the draft deadline, then, fusion_retry_s after it lost fusion and with the
     replica's health check passing again, reopens there and drafts for the rest of its tokens; identical."""
-    import threading
-
     drafter = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
     fusion = fusion_proc(f"127.0.0.1:{drafter.port}").start()
     s = {"drafter": drafter}
     try:
         s.update(await start(tiny_dirs, redis_server, [fusion], draft_deadline_s=0.3, fusion_retry_s=0.5))
         router = f"127.0.0.1:{s['router'].port}"
-        paused = []
-
-        def pause():
-            if not paused:
-                paused.append(time.perf_counter())
-                fusion.signal(signal.SIGSTOP)
-                threading.Timer(0.6, fusion.signal, (signal.SIGCONT,)).start()
-
+        pause, paused = on_first(fusion, signal.SIGSTOP, then=(0.6, signal.SIGCONT))
         prompt, n = PROMPTS[2], 440
         started = time.perf_counter()
         ids, final, err = await generate(router, prompt, n, on_first=pause, speculation={"drafters": ["ngram"]})

@@ -82,6 +82,14 @@ async def start_over(s: dict, tiny_dirs, redis_server, verifiers: list[Proc], **
     return f"127.0.0.1:{s['router'].port}"
 
 
+async def stop_over(s: dict, verifiers: list[Proc]) -> None:
+    for name in ("router", "scheduler", "fusion", "drafter"):
+        if name in s:
+            await s[name].stop()
+    for v in verifiers:
+        v.kill()
+
+
 async def test_verifier_sigkilled_mid_stream_fails_over_to_the_other_replica(tiny_dirs, redis_server, greedy):
     import asyncio
 
@@ -115,11 +123,7 @@ async def test_verifier_sigkilled_mid_stream_fails_over_to_the_other_replica(tin
         ids, _, err = await generate(router, PROMPT, 16)
         assert err is None and ids == greedy(PROMPT, 16)
     finally:
-        for name in ("router", "scheduler", "fusion", "drafter"):
-            if name in s:
-                await s[name].stop()
-        for v in verifiers:
-            v.kill()
+        await stop_over(s, verifiers)
 
 
 async def test_verifier_sigstopped_mid_stream_past_the_step_deadline_fails_over_or_is_unavailable(tiny_dirs, redis_server, greedy):
@@ -165,8 +169,4 @@ async def test_verifier_sigstopped_mid_stream_past_the_step_deadline_fails_over_
         assert ids == greedy(PROMPT, 256)[: len(ids)]
         assert_no_address(err.details())
     finally:
-        for name in ("router", "scheduler", "fusion", "drafter"):
-            if name in s:
-                await s[name].stop()
-        for v in verifiers:
-            v.kill()
+        await stop_over(s, verifiers)

@@ -40,7 +40,6 @@ from cosine.common.tracing import Tracing
 from cosine.common.v1 import common_pb2
 from cosine.fusion.v1 import fusion_pb2, fusion_pb2_grpc
 from cosine.scheduler.routing import ExpertiseRouter, PromptFit
-from cosine.scheduler import policy
 from cosine.engine.tree import DraftTree
 from cosine.scheduler.adaptive import CostModel, DepthChooser, LoadMeter, verifier_load
 from cosine.common.batching import BatchLimits
@@ -785,7 +784,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.load.enter(now)
         broken = None
         try:
-            reply = await self._step(lane, verifier_pb2.VerifyStep(entries=entries))
+            reply = await self._step(lane, verifier_pb2.VerifyStep(entries=entries), self._verify_deadline(bool(opens)))
         except Exception as exc:  # noqa: BLE001 - the stream broke: fail over, or every round of the step fails with it
             broken = exc
         finally:
@@ -820,9 +819,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         out += [ServiceError(grpc.StatusCode.INTERNAL, "the verifier answered fewer rounds than it was sent")] * (len(rounds) - len(out))
         return out
 
-    async def _step(self, lane: VerifierLane, message: verifier_pb2.VerifyStep) -> verifier_pb2.VerifyStepResult:
+    async def _step(self, lane: VerifierLane, message: verifier_pb2.VerifyStep, deadline: float) -> verifier_pb2.VerifyStepResult:
         call = lane.call
-        deadline = self._verify_deadline(message)
         try:
             async with lane.lock:
                 try:
@@ -840,11 +838,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.verifiers.mark_down(lane.endpoint)  # no new requests there until its health check passes
             raise
 
-    def _verify_deadline(self, message: verifier_pb2.VerifyStep) -> float:
+    def _verify_deadline(self, opening: bool) -> float:
         """Seconds a step may take: 10 × the measured step time, at least verify_deadline_s (open_deadline_s
         when it opens requests: the verifier prefills their prompts first)."""
-        floor = (self.config.open_deadline_s if any(e.WhichOneof("kind") == "open" for e in message.entries)
-                 else self.config.verify_deadline_s)
+        floor = self.config.open_deadline_s if opening else self.config.verify_deadline_s
         return max(floor, 10 * (self.loop.step_estimate or 0.0))
 
     def _move(self, request: Request, target: Endpoint) -> None:
