@@ -101,7 +101,7 @@ def _top_p_drop(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF sample of one [vocab] distribution with uniform u."""
     cdf = torch.cumsum(probs, dim=-1)
-    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype)).item())
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=cdf.dtype, device=cdf.device)).item())
     index = min(index, probs.shape[-1] - 1)
     while probs[index] == 0 and index > 0:  # u landed on the edge of a dropped token
         index -= 1
