@@ -32,10 +32,6 @@ def _exact_fp32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-def _hf_cuda(hf_models, name):
-    return hf_models[name].to("cuda")
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
 def test_logits_match_transformers_on_cuda(tiny_models, hf_models, name):
     model = NativeLlama.from_pretrained(tiny_models[name], device="cuda", dtype="float32")
@@ -44,7 +40,7 @@ def test_logits_match_transformers_on_cuda(tiny_models, hf_models, name):
     assert cache.k.device.type == "cuda"
     ids = torch.randint(0, model.spec.vocab_size, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     with torch.inference_mode():
-        ref = _hf_cuda(hf_models, name)(torch.tensor([ids], device="cuda")).logits[0]
+        ref = hf_models[name].to("cuda")(torch.tensor([ids], device="cuda")).logits[0]
     slot = cache.allocate()
     model.forward([Seq(slot, ids[:12], list(range(12)), logits="none")], cache)
     out = model.forward([Seq(slot, ids[12:], list(range(12, 30)))], cache)[0]

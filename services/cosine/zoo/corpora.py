@@ -93,6 +93,11 @@ def _third_person(clause: str) -> str:
     return f"{verb} {rest}".strip()
 
 
+def _stdlib_root() -> Path:
+    """The standard library's source folder of the running Python."""
+    return Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+
+
 def _pick(rng: random.Random, forms: dict[str, str], **fill) -> tuple[str, str]:
     """(template id, text) of one of `forms`, chosen at random and filled."""
     tid = rng.choice(sorted(forms))
@@ -104,7 +109,7 @@ def _pick(rng: random.Random, forms: dict[str, str], **fill) -> tuple[str, str]:
 
 def stdlib_functions(limit: int, rng: random.Random) -> list[tuple[str, str, str]]:
     """(function name, source of its def line + docstring, first docstring sentence) from the stdlib."""
-    root = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    root = _stdlib_root()
     files = sorted(p for p in root.rglob("*.py") if "test" not in p.parts and "site-packages" not in p.parts and "idlelib" not in p.parts)
     rng.shuffle(files)
     found: list[tuple[str, str, str]] = []
@@ -256,7 +261,7 @@ def man_pages(limit: int, rng: random.Random, directory: Path = Path("/usr/share
 
 def stdlib_module_docs(limit: int, rng: random.Random) -> list[tuple[str, str, str]]:
     """Fallback technical prose: (module, first sentence, docstring) of stdlib modules."""
-    root = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    root = _stdlib_root()
     files = sorted(root.glob("*.py"))
     rng.shuffle(files)
     found = []
@@ -273,17 +278,18 @@ def stdlib_module_docs(limit: int, rng: random.Random) -> list[tuple[str, str, s
 
 
 
-_MAN_FORMS = {  # {cmd}: a command; {todo}: its NAME line as an imperative
+_MAN_ANY_FORMS = {  # {cmd}: a command
     "man-explain": "Explain what the `{cmd}` command does and when you would use it.",
-    "man-howto": "How do I {todo} on Linux?",
     "man-used": "What is `{cmd}` used for? Give an example.",
     "man-options": "What are the most useful options of `{cmd}`?",
+}
+_MAN_FORMS = {  # for NAME lines that are imperatives; {todo}: the NAME line as one
+    **_MAN_ANY_FORMS,
+    "man-howto": "How do I {todo} on Linux?",
     "man-which": "I need to {todo}. Which command should I use, and how?",  # held out
 }
-_MAN_NOUN_FORMS = {  # for NAME lines that are not imperatives ('debian package archive split/join tool')
-    "man-explain": "Explain what the `{cmd}` command does and when you would use it.",
-    "man-used": "What is `{cmd}` used for? Give an example.",
-    "man-options": "What are the most useful options of `{cmd}`?",
+_MAN_NOUN_FORMS = {  # for NAME lines that are not imperatives ('debian package archive split/join tool'); {summary}
+    **_MAN_ANY_FORMS,
     "man-what": "What does `{cmd}` ({summary}) do, and how do I use it?",
     "man-which": "What is `{cmd}` ({summary}) good for? Which command should I use instead, and when?",  # held out
 }
@@ -316,7 +322,7 @@ _CONCEPT_FORMS = {
     "concept-beginner": "Explain {c} to a beginner, with an example.",
     "concept-ideas": "What are the main ideas behind {c}?",  # held out
 }
-_MODULE_FORMS = {  # {module}: a stdlib module; {what}: the first sentence of its docstring
+_MODULE_FORMS = {  # {module}: a stdlib module
     "module-what": "What is the Python `{module}` module for?",
     "module-howto": "Show me how to use Python's `{module}` module.",
 }
@@ -338,8 +344,8 @@ def docs_prompts(n: int, rng: random.Random) -> list[DomainPrompt]:
     rng.shuffle(concepts)
     for c, tid in concepts[: n // 3]:
         prompts.append(DomainPrompt("docs", _CONCEPT_FORMS[tid].format(c=c), True, tid, "computing concept, written for this project"))
-    for module, what, _ in stdlib_module_docs(n // 6, rng):
-        tid, text = _pick(rng, _MODULE_FORMS, module=module, what=what)
+    for module, _, _ in stdlib_module_docs(n // 6, rng):
+        tid, text = _pick(rng, _MODULE_FORMS, module=module)
         prompts.append(DomainPrompt("docs", text, True, tid, "Python stdlib module names (sys.base_prefix)"))
     return prompts
 
@@ -416,7 +422,7 @@ _CONTINUE_FORM = "Continue this story: {who} {event}, and"
 
 
 def literary_prompts(n: int, rng: random.Random, cache: Path) -> list[DomainPrompt]:
-    """Prose requests over adjective × noun subjects and story openings; about 1 in 7 a raw Shakespeare passage."""
+    """Prose requests over adjective × noun subjects and story openings; about 1 in 8 a raw Shakespeare passage."""
     subjects = [f"{a} {noun}" for a in _ADJECTIVES for noun in _NOUNS]
     rng.shuffle(subjects)
     prompts = []
