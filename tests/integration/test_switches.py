@@ -269,3 +269,42 @@ async def test_what_routing_and_adaptive_depth_learnt_is_in_redis(services, redi
     assert 0 < router.rounds <= final.stats.rounds
     assert sum(ev.tries for ev in router.evidence.values()) >= router.rounds
     assert state.policy["speculation"]["trials"] > 0
+
+
+async def test_no_prompt_scoring_while_the_gate_judges_speculation_unprofitable(services, reference, redis_server):  # noqa: F811
+    """Routing's prior makes every candidate drafter prefill the prompt before the first token. While the
+    adaptive gate judges that speculation does not pay at this load, a new request skips it: no drafter opens
+    it (the request decodes plainly) and its output is the target's own; where the gate judges it pays, the
+    prompt is scored as before."""
+    common = {"port": 0, "drain_timeout_s": 1.0, "metrics_port": 0}
+    started = []
+    try:
+        scheduler = await serve_scheduler(SchedulerSettings(
+            verifier=f"127.0.0.1:{services['verifier'].port}", fusion=f"127.0.0.1:{services['fusion'].port}",
+            redis_url=redis_server, startup_timeout_s=30, gate_window_s=30.0, **common))
+        started.append(scheduler)
+        router = await serve_router(RouterSettings(
+            scheduler=f"127.0.0.1:{scheduler.port}", fusion=f"127.0.0.1:{services['fusion'].port}",
+            model=str(services["router"].servicer.tokenizer.name_or_path), default_drafters=["tiny", "ngram"], **common))
+        started.append(router)
+        first = scheduler.servicer.metrics.first_choice
+        opened = {n: services[f"drafter-{n}"].servicer.opened for n in ("tiny", "ngram")}
+
+        def counts():
+            return sum(first.labels(n)._value.get() for n in ("tiny", "ngram")), {n: c._value.get() for n, c in opened.items()}
+
+        gate = scheduler.servicer.gate
+        for pays, prompt in ((False, PROMPTS[0]), (True, PROMPTS[1])):
+            gate.rates = {1: {True: 2.0 if pays else 1.0, False: 1.0 if pays else 2.0}}  # as if measured at one request
+            gate._started = None  # the next round opens a window in the judged mode
+            chose, opens = counts()
+            ids, _, final = await generate(f"127.0.0.1:{router.port}", prompt=prompt.encode(), max_new_tokens=N)
+            assert ids == no_eos(reference(prompt, N))
+            chose_after, opens_after = counts()
+            if pays:
+                assert chose_after > chose and all(opens_after[n] == opens[n] + 1 for n in opens), (opens, opens_after)
+            else:
+                assert chose_after == chose and opens_after == opens and final.stats.drafted_tokens == 0
+    finally:
+        for service in reversed(started):
+            await service.stop()

@@ -21,8 +21,9 @@
   schedulers sharing a verifier each see the whole load.
 * `DepthChooser` — a request's `RequestSpeculation` plus probing: a request whose
   depth is 0 (speculation does not pay) learns nothing about its acceptance, so
-  every ``probe_every``-th plain round drafts ``probe_depth`` tokens to find out
-  whether it pays again.
+  after ``probe_every`` plain rounds it drafts ``probe_depth`` tokens to find out
+  whether it pays again; each probe that does not pay doubles that wait (up to
+  ``max_probe_every``).
 """
 
 from __future__ import annotations
@@ -161,19 +162,40 @@ def verifier_load(own_idle: float, own_queue: int, reports: list[tuple[float, in
 
 @dataclass
 class DepthChooser:
+    """A request's depth each round: `RequestSpeculation`'s, plus probes while that is 0.
+
+    A request at depth 0 learns nothing about its acceptance, so after ``probe_every`` plain rounds it
+    drafts ``probe_depth`` tokens. A probe costs a drafting round (every drafter catches up on the tokens
+    committed since it last drafted, then drafts) for what plain decoding gives in one, and on shared
+    cores the drafters' forwards slow the verifier too. So each probe that leaves the depth at 0 doubles
+    the wait before the next one, up to ``max_probe_every`` plain rounds; a round that drafts on its own
+    merit (depth > 0) resets it. A request whose drafts do not pay costs a probe every 8, 16, 32, then 64
+    rounds instead of every 8 for good; one whose drafts start paying is found at its next probe."""
+
     speculation: RequestSpeculation
     probe_every: int = 8
     probe_depth: int = 2
+    max_probe_every: int = 64
     plain_rounds: int = 0
+    interval: int = 0  # plain rounds before the next probe (0: probe_every)
+    probed: bool = False  # the last round was a probe
 
     def choose(self, costs: SpeculationCosts | None, cap: int | None = None) -> int:
         d = self.speculation.depth(costs, cap)
         limit = self.speculation.max_depth if cap is None else min(self.speculation.max_depth, cap)
+        interval = self.interval or self.probe_every
         if d > 0 or limit <= 0:
             self.plain_rounds = 0
+            if d > 0:  # drafting pays again: probe at the base rate when it stops paying
+                self.interval, self.probed = self.probe_every, False
             return d
+        if self.probed:  # the probe left the depth at 0: wait twice as long for the next
+            interval = min(max(self.max_probe_every, self.probe_every), interval * 2)
+            self.probed = False
+        self.interval = interval
         self.plain_rounds += 1
-        if self.plain_rounds >= self.probe_every:
+        if self.plain_rounds >= interval:
             self.plain_rounds = 0
+            self.probed = True
             return min(self.probe_depth, limit)
         return 0

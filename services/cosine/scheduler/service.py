@@ -419,7 +419,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     token_ids=generated[live.sent:], start_index=live.sent))
                 live.sent = len(generated)
             if spec_call is not None:
-                score = plan.router is not None and not (state is not None and state.policy and "routing" in state.policy)
+                score = plan.router is not None and not (state is not None and state.policy and "routing" in state.policy) \
+                    and self._worth_scoring(plan)
                 opening = fusion_pb2.SpeculateRequest(open=fusion_pb2.SpeculateOpen(
                     request_id=rid, prompt_token_ids=prompt + generated, drafters=drafters,
                     fusion=FUSION_MODE_PROTO[plan.switches.fusion], score_prompt=score))
@@ -578,6 +579,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if d > 0 and plan.switches.fusion == "confidence":  # side branches in proportion to the uncertainty
             budget = plan.depth.speculation.budget(d, 1.0, max_budget=d * (1 + len(drafters)))
         return d, drafters, budget
+
+    def _worth_scoring(self, plan: RequestPlan) -> bool:
+        """Routing's prior costs every candidate drafter a prefill of the prompt, on cores the verifier shares,
+        before the request's first token. Not while the gate judges that speculation does not pay at this load:
+        the request decodes plainly, its drafters open only if it drafts later, and routing then learns online."""
+        if plan.depth is None or self.gate is None:
+            return True
+        return self.gate.pays(self.loop.live + 1) is not False
 
     def _gate_open(self) -> bool:
         return self.gate is None or self.gate.speculate(self.clock.now(), self.loop.live)

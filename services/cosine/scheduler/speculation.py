@@ -243,19 +243,25 @@ class SpeculationGate:
     weighted mean of the tokens committed per second in each mode. A new window takes the
     better mode of its bucket (of the nearest bucket where both modes were measured, until
     both are measured at this one; with nothing measured anywhere, each mode once), and
-    every ``explore_every``-th window of a bucket tries the other one, so the other mode
-    gets measured and a change in the workload (better drafts, another mix) is noticed. Speculation then runs where it has paid at this
-    load and is off where it has not: at most one window in ``explore_every`` runs the losing
-    mode. A window whose load left its bucket, or that committed fewer than ``min_tokens``,
+    the ``explore_every``-th window of a bucket tries the other one, so the other mode
+    gets measured and a change in the workload (better drafts, another mix) is noticed. Each
+    exploration that leaves the judgement as it was doubles the wait for the next one at that
+    bucket, up to ``max_explore_every`` windows; one that turns it resets the wait. Speculation then
+    runs where it has paid at this load and is off where it has not: at most one window in
+    ``explore_every`` runs the losing mode, and fewer while the judgement holds (a losing mode
+    costs its windows; 32 windows of 0.5 s notice a change within 16 s).
+    A window whose load left its bucket, or that committed fewer than ``min_tokens``,
     teaches nothing. Times come from the caller's clock (pure code: it runs in simulation).
     """
 
     window_s: float = 0.5
     explore_every: int = 8
+    max_explore_every: int = 32
     smoothing: float = 0.3
     min_tokens: int = 4
     rates: dict[int, dict[bool, float]] = field(default_factory=dict)  # bucket → mode (speculating?) → tokens/s
     windows: dict[int, int] = field(default_factory=dict)  # windows measured per bucket
+    explorations: dict[int, tuple[int, int, bool]] = field(default_factory=dict)  # bucket → (next at, gap, judgement then)
     speculating: bool = True
     _started: float | None = None
     _bucket: int = 0
@@ -263,8 +269,10 @@ class SpeculationGate:
     _mixed: bool = False
 
     def __post_init__(self) -> None:
-        if self.window_s <= 0 or self.explore_every < 2 or not 0 < self.smoothing <= 1 or self.min_tokens < 0:
-            raise ValueError("need window_s > 0, explore_every >= 2, 0 < smoothing <= 1, min_tokens >= 0")
+        if self.window_s <= 0 or self.explore_every < 2 or not 0 < self.smoothing <= 1 or self.min_tokens < 0 \
+                or self.max_explore_every < self.explore_every:
+            raise ValueError("need window_s > 0, explore_every >= 2, max_explore_every >= explore_every, "
+                             "0 < smoothing <= 1, min_tokens >= 0")
 
     def speculate(self, now: float, live: int) -> bool:
         """Whether rounds starting now may draft (``live``: requests the scheduler runs now)."""
@@ -295,19 +303,35 @@ class SpeculationGate:
     def _begin(self, now: float, bucket: int) -> None:
         self._started, self._bucket, self._tokens, self._mixed = now, bucket, 0, False
         self.speculating = self.choose(bucket)
+        best = self._judgement(bucket)
+        if best is not None and self.exploring(bucket):  # this window explores: when is the next one
+            _, gap, then = self.explorations.get(bucket, (0, 0, None))
+            gap = min(self.max_explore_every, gap * 2) if gap and then == best else self.explore_every
+            self.explorations[bucket] = (self.windows.get(bucket, 0) + gap, gap, best)
+
+    def _judgement(self, bucket: int) -> bool | None:
+        """Whether speculating is the better mode at this bucket (at the nearest judged one until both modes are
+        measured here; None: nothing judged anywhere yet)."""
+        modes = self.rates.get(bucket, {})
+        if len(modes) == 2:
+            return modes[True] >= modes[False]
+        return self._nearest_judged(bucket)
+
+    def pays(self, live: int) -> bool | None:
+        """Whether speculating has been the better mode at this load (None: nothing judged yet), exploration aside."""
+        return self._judgement(load_bucket(live))
+
+    def exploring(self, bucket: int) -> bool:
+        """Whether the next window at this bucket runs the mode that is not the better one."""
+        due = self.explorations.get(bucket, (self.explore_every - 1, 0, None))[0]
+        return self.windows.get(bucket, 0) >= due
 
     def choose(self, bucket: int) -> bool:
         """The mode of the next window at this load bucket."""
-        modes = self.rates.get(bucket, {})
-        explore = self.windows.get(bucket, 0) % self.explore_every == self.explore_every - 1
-        if len(modes) == 2:
-            best = modes[True] >= modes[False]
-        else:
-            near = self._nearest_judged(bucket)
-            if near is None:  # nothing judged anywhere yet: measure both modes here first
-                return True not in modes
-            best = near  # as at the nearest load where both were measured, until this one is
-        return (not best) if explore else best
+        best = self._judgement(bucket)
+        if best is None:  # nothing judged anywhere yet: measure both modes here first
+            return True not in self.rates.get(bucket, {})
+        return (not best) if self.exploring(bucket) else best
 
     def _nearest_judged(self, bucket: int) -> bool | None:
         judged = [b for b, m in self.rates.items() if len(m) == 2]

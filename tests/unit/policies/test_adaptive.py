@@ -85,12 +85,31 @@ def test_load_meter_reads_idle_fraction_and_queue():
 def test_depth_chooser_probes_after_plain_rounds_and_recovers():
     costs = SpeculationCosts(draft_step_s=0.004, verify_s=0.010, draft_overhead_s=0.005)
     chooser = DepthChooser(RequestSpeculation(max_depth=8, prior_alpha=0.05), probe_every=4, probe_depth=2)
-    depths = [chooser.choose(costs, cap=6) for _ in range(8)]
-    assert depths == [0, 0, 0, 2, 0, 0, 0, 2]  # speculation does not pay: plain, with a probe every 4th round
+    depths = [chooser.choose(costs, cap=6) for _ in range(4)]
+    assert depths == [0, 0, 0, 2]  # speculation does not pay: plain, with a probe after 4 plain rounds
     for _ in range(6):  # the probes find the drafter is now always right
         chooser.speculation.observe(2, 2)
     assert chooser.choose(costs, cap=6) > 2
     assert DepthChooser(RequestSpeculation(max_depth=8)).choose(None, cap=3) == 3  # no costs yet: the cap
+
+
+def test_depth_chooser_backs_off_probes_that_do_not_pay_and_resets_when_drafting_pays():
+    costs = SpeculationCosts(draft_step_s=0.004, verify_s=0.010, draft_overhead_s=0.005)
+    chooser = DepthChooser(RequestSpeculation(max_depth=8, prior_alpha=0.05), probe_every=4, probe_depth=2,
+                           max_probe_every=16)
+    depths = [chooser.choose(costs, cap=6) for _ in range(4 + 8 + 16 + 16 + 16)]
+    probes = [i + 1 for i, d in enumerate(depths) if d]
+    assert set(depths) == {0, 2}
+    assert probes == [4, 12, 28, 44, 60]  # waits of 4, 8, 16, then 16 (the most) plain rounds
+    for _ in range(6):  # drafting pays again: the next round drafts on its own merit, and the waits restart at 4
+        chooser.speculation.observe(2, 2)
+    assert chooser.choose(costs, cap=6) > 2
+    for _ in range(40):
+        chooser.speculation.observe(4, 0)
+    depths = [chooser.choose(costs, cap=6) for _ in range(12)]
+    assert [i + 1 for i, d in enumerate(depths) if d] == [4, 12]
+    # a cap of 0 (the global controller: no speculation at this load) stops probes altogether
+    assert [chooser.choose(costs, cap=0) for _ in range(40)] == [0] * 40
 
 
 def test_tree_depth():

@@ -46,8 +46,21 @@ def test_loads_are_judged_apart():
     run(gate, lambda on: 60 if on else 40, live=1, seconds=30)  # alone, speculation pays
     run(gate, lambda on: 80 if on else 120, live=16, seconds=30)  # under load it does not
     assert gate.gain(1) > 1 > gate.gain(16)
-    assert gate.choose(1) is True or gate.windows[1] % gate.explore_every == gate.explore_every - 1
-    assert gate.choose(16) is False or gate.windows[16] % gate.explore_every == gate.explore_every - 1
+    assert gate.choose(1) is not gate.exploring(1)
+    assert gate.choose(16) is gate.exploring(16)
+
+
+def test_explores_less_while_the_judgement_holds():
+    gate = SpeculationGate(window_s=1.0, explore_every=8, max_explore_every=32)
+    modes = run(gate, lambda on: 80 if on else 120, live=8, seconds=300, tick=0.5)
+    windows = modes[::2]  # one mode per window
+    explored = [i for i, on in enumerate(windows) if on][1:]  # after the first measurement of drafting
+    gaps = [b - a for a, b in zip(explored, explored[1:])]
+    assert gaps[:3] == [8, 16, 32] and set(gaps[3:]) == {32}
+    assert sum(windows[100:]) / len(windows[100:]) <= 1 / 32 + 0.01  # was 1 in 8 for good
+    modes = run(gate, lambda on: 200 if on else 120, live=8, seconds=100, tick=0.5)  # the drafts got good
+    windows = modes[::2]
+    assert sum(windows[-40:]) / 40 >= 1 - 1 / 8 - 0.01  # noticed within 32 windows; now drafting, exploring plain again
 
 
 def test_follows_a_change_in_the_workload():
