@@ -58,8 +58,12 @@ def reference(tiny_dirs):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_dirs, redis_server, tmp_path_factory):
-    previous = os.environ.get("COSINE_RUN_DIR")
+    previous = {k: os.environ.get(k) for k in ("COSINE_RUN_DIR", "COSINE_SCHEDULER_GATE_WINDOW_S")}
     os.environ["COSINE_RUN_DIR"] = str(tmp_path_factory.mktemp("replicas-run"))
+    # the speculation gate off (as in the other tests that need drafting): on tiny models at 16 streams it judges
+    # drafting not to pay, and new requests then skip the prompt scoring that opens them on the drafters, so the
+    # drafter replicas would see a handful of opens, too few to judge how they share the load
+    os.environ["COSINE_SCHEDULER_GATE_WINDOW_S"] = "0"
     spec = ClusterSpec(router_port=free_port(), redis_url=redis_server, target=str(tiny_dirs["target"]),
                        drafters=[DrafterSpec("tiny", "lm", str(tiny_dirs["drafter"]))], verifier_threads=1,
                        log_level="WARNING", replicas={"verifier": 2, "drafter-tiny": 2, "scheduler": 2, "fusion": 2})
@@ -69,10 +73,11 @@ def cluster(tiny_dirs, redis_server, tmp_path_factory):
         yield started
     finally:
         started.stop()
-        if previous is None:
-            os.environ.pop("COSINE_RUN_DIR", None)
-        else:
-            os.environ["COSINE_RUN_DIR"] = previous
+        for key, value in previous.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def metric(process, name: str) -> float:
