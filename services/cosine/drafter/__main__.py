@@ -73,8 +73,6 @@ def _card_domain(path) -> str:
 
 
 async def serve(settings: DrafterSettings) -> GrpcService:
-    drafter, tok_hash = build(settings)
-
     def register(server):
         drafter_pb2_grpc.add_DrafterServicer_to_server(servicer, server)
         return [drafter_pb2.DESCRIPTOR.services_by_name["Drafter"].full_name]
@@ -85,11 +83,12 @@ async def serve(settings: DrafterSettings) -> GrpcService:
     name = f"drafter-{settings.name}"
     service = GrpcService(name, settings, register, on_stop)
     m = service.metrics
+    worker = ModelWorker(name, m.worker_busy_seconds.labels(name), m.worker_queue_depth.labels(name))
+    drafter, tok_hash = await worker.load(build, settings)
     if getattr(drafter, "memory", None) is not None:
         from cosine.drafter.metrics import MemoryCollector
 
         m.registry.register(MemoryCollector(settings.name, drafter.memory))
-    worker = ModelWorker(name, m.worker_busy_seconds.labels(name), m.worker_queue_depth.labels(name))
     servicer = DrafterServicer(drafter, worker, tok_hash, settings.max_depth, service.tracing,
                                opened=m.requests_opened.labels(name))
     service.servicer = servicer

@@ -47,11 +47,13 @@ async def serve(settings: VerifierSettings) -> GrpcService:
     from cosine.engine.native_target import make_target
     from cosine.zoo.registry import TARGET, path_of
 
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
     path = path_of(settings.model or TARGET)
-    engine = make_target(path, settings.device, settings.dtype, n_slots=settings.max_slots,
-                         max_context=settings.max_context or None, backend=settings.backend)
+
+    def load():
+        if settings.threads:
+            torch.set_num_threads(settings.threads)
+        return make_target(path, settings.device, settings.dtype, n_slots=settings.max_slots,
+                           max_context=settings.max_context or None, backend=settings.backend)
 
     def register(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
@@ -64,6 +66,7 @@ async def serve(settings: VerifierSettings) -> GrpcService:
     service = GrpcService("verifier", settings, register, on_stop)
     m = service.metrics
     worker = ModelWorker("verifier", m.worker_busy_seconds.labels("verifier"), m.worker_queue_depth.labels("verifier"))
+    engine = await worker.load(load)
     batch_size = Histogram("cosine_verifier_batch_size", "requests verified together in one forward pass (the chosen batch)",
                            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=m.registry)
     batch_tokens = Histogram("cosine_verifier_batch_tokens", "positions verified in one step (Σ 1 + tree nodes kept)",
