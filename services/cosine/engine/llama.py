@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,7 +150,8 @@ def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
 
 
 class _Layer:
-    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b", "down_w", "down_b")
+    __slots__ = ("ln1", "qkv_w", "qkv_b", "o_w", "o_b", "ln2", "gate_up_w", "gate_up_b", "down_w", "down_b",
+                 "qkv_p", "o_p", "gate_up_p", "down_p")  # *_p: the plain weights, for few-row steps (small_rows)
 
 
 class NativeLlama:
@@ -157,15 +159,23 @@ class NativeLlama:
 
     def __init__(self, spec: LlamaSpec, state: dict[str, torch.Tensor], config=None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, max_positions: int | None = None,
-                 linear: str = "auto"):
+                 linear: str = "auto", small_rows: int | None = None):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
         # linear: "auto" (oneDNN prepacked weights on CPU where they work: about 2x faster small-batch
-        # fp32 GEMMs than F.linear here), "mkldnn" or "torch" (F.linear).
+        # fp32 GEMMs than F.linear on an AMD EPYC), "mkldnn" or "torch" (F.linear).
         self.packed = linear != "torch" and _mkldnn_linear_works(self.device, dtype)
         if linear == "mkldnn" and not self.packed:
             raise RuntimeError("oneDNN prepacked linear layers are not available here")
+        # small_rows: steps of at most this many rows multiply the layers' plain weights with F.linear
+        # (MKL's GEMV) instead of the prepacked ones. None: measured at load where it can pay (fp32 with
+        # prepacked weights under "auto"; on an Intel Xeon with AMX, one row: 16 ms against 25 for the
+        # target's layers, 2 threads, while oneDNN wins from 4 rows up); 0: never. The plain weights are
+        # kept only when used: the layers' fp32 weights twice.
+        keep_plain = self.packed and (small_rows is None and linear == "auto" and dtype == torch.float32
+                                      or bool(small_rows))
+        self.small_rows = 0
         self.max_positions = int(max_positions or spec.max_position_embeddings)
         s = spec
         if spec.hidden_act not in ("silu", "swish"):
@@ -188,7 +198,8 @@ class NativeLlama:
             L = _Layer()
             L.ln1 = w(p + "input_layernorm.weight")
             L.ln2 = w(p + "post_attention_layernorm.weight")
-            L.qkv_w = self._pack(torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous())
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+            L.qkv_w = self._pack(qkv)
             biases = [opt(p + f"self_attn.{n}_proj.bias") for n in "qkv"]
             if any(b is not None for b in biases):
                 sizes = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.n_kv_heads * s.head_dim)
@@ -196,15 +207,19 @@ class NativeLlama:
                 L.qkv_b = torch.cat(biases).contiguous()
             else:
                 L.qkv_b = None
-            L.o_w = self._pack(w(p + "self_attn.o_proj.weight"))
+            o = w(p + "self_attn.o_proj.weight")
+            L.o_w = self._pack(o)
             L.o_b = opt(p + "self_attn.o_proj.bias")
             # gate and up as one matmul: measured 5-12% faster here than two with SiLU and the product as
             # oneDNN post-ops (30 layers, M = 1 and 17, fp32 and bf16)
-            L.gate_up_w = self._pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous())
+            gate_up = torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]).contiguous()
+            L.gate_up_w = self._pack(gate_up)
             gb, ub = opt(p + "mlp.gate_proj.bias"), opt(p + "mlp.up_proj.bias")
             L.gate_up_b = torch.cat([gb, ub]).contiguous() if gb is not None else None
-            L.down_w = self._pack(w(p + "mlp.down_proj.weight"))
+            down = w(p + "mlp.down_proj.weight")
+            L.down_w = self._pack(down)
             L.down_b = opt(p + "mlp.down_proj.bias")
+            L.qkv_p, L.o_p, L.gate_up_p, L.down_p = (qkv, o, gate_up, down) if keep_plain else (None,) * 4
             self.layers.append(L)
 
         inv_freq, scaling = rope_inv_freq(config, spec, self.max_positions)
@@ -221,12 +236,45 @@ class NativeLlama:
         # SDPA backends to allow (None: PyTorch's choice). On a busy CPU the fused flash kernel's
         # thread pool can stall on tiny problems; [SDPBackend.MATH] is the decomposed path.
         self.sdpa_backends = None
+        if keep_plain:
+            self.small_rows = int(small_rows) if small_rows is not None else self._measure_small_rows()
+            if not self.small_rows:
+                for L in self.layers:
+                    L.qkv_p = L.o_p = L.gate_up_p = L.down_p = None
+
+    def _measure_small_rows(self, rows: tuple[int, ...] = (1, 2), rounds: int = 5, margin: float = 0.9) -> int:
+        """The most rows (of `rows`, in order) at which the layers' matmuls take under `margin` of the
+        prepacked time with F.linear on the plain weights; 0 when none. Each candidate: every layer's four
+        matmuls, both ways, interleaved round by round, minimum of `rounds` (noise falls on both alike)."""
+        best = 0
+        with torch.inference_mode():
+            for m in rows:
+                x = {n: torch.zeros(m, n, dtype=self.dtype, device=self.device)
+                     for n in (self.spec.hidden_size, self.spec.intermediate_size,
+                               self.spec.n_heads * self.spec.head_dim)}
+                timings = {True: [], False: []}
+                for _ in range(rounds):
+                    for plain in (True, False):
+                        started = time.perf_counter()
+                        for L in self.layers:
+                            for w, p in ((L.qkv_w, L.qkv_p), (L.o_w, L.o_p), (L.gate_up_w, L.gate_up_p),
+                                         (L.down_w, L.down_p)):
+                                if plain:
+                                    F.linear(x[p.shape[1]], p)
+                                else:
+                                    torch.ops.mkldnn._linear_pointwise(x[p.shape[1]], w, None, "none", [], "")
+                        timings[plain].append(time.perf_counter() - started)
+                if min(timings[True]) >= margin * min(timings[False]):
+                    break
+                best = m
+        return best
 
     # -- loading ----------------------------------------------------------------------
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
-                        max_positions: int | None = None, linear: str = "auto") -> "NativeLlama":
+                        max_positions: int | None = None, linear: str = "auto",
+                        small_rows: int | None = None) -> "NativeLlama":
         from transformers import AutoConfig
 
         path = Path(path)
@@ -239,7 +287,7 @@ class NativeLlama:
             dtype = resolve_dtype(dtype, device)
         spec = spec_from_config(config)
         return cls(spec, _load_state_dict(path), config, device=device, dtype=dtype, max_positions=max_positions,
-                   linear=linear)
+                   linear=linear, small_rows=small_rows)
 
     @staticmethod
     def supports(path: str | Path) -> bool:
@@ -259,16 +307,22 @@ class NativeLlama:
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 16) if self.packed else weight
 
-    def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             plain: torch.Tensor | None = None) -> torch.Tensor:
+        """linear(x); `plain`: the weight unpacked, used for a step of at most small_rows rows."""
+        if plain is not None and x.shape[0] <= self.small_rows:
+            return F.linear(x, plain, bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
     def _lin_add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 residual: torch.Tensor) -> torch.Tensor:
+                 residual: torch.Tensor, plain: torch.Tensor | None = None) -> torch.Tensor:
         """residual + linear(x): on the prepacked path the add is a oneDNN post-op inside the matmul
         (fp32: the same numbers, o and down ~10% faster at one row here, ~0.7 ms a step; bf16: one
         rounding instead of two, no faster)."""
+        if plain is not None and x.shape[0] <= self.small_rows:
+            return residual + F.linear(x, plain, bias)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, weight, bias, "add")
         return residual + F.linear(x, weight, bias)
@@ -389,7 +443,7 @@ class NativeLlama:
         half = hd // 2
         for li, layer in enumerate(self.layers):
             h = self._rms(x, layer.ln1)
-            qkv = self._lin(h, layer.qkv_w, layer.qkv_b)  # [N, (nh + 2 nkv) hd]
+            qkv = self._lin(h, layer.qkv_w, layer.qkv_b, layer.qkv_p)  # [N, (nh + 2 nkv) hd]
             qk = qkv[:, : qsz + kvsz].view(N, nh + nkv, hd)
             qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin)
             k_new = qk[:, nh:]
@@ -415,11 +469,11 @@ class NativeLlama:
             o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
             if not dense:
                 o = o[row_t]
-            x = self._lin_add(o, layer.o_w, layer.o_b, x)
+            x = self._lin_add(o, layer.o_w, layer.o_b, x, layer.o_p)
             h = self._rms(x, layer.ln2)
-            gu = self._lin(h, layer.gate_up_w, layer.gate_up_b)
+            gu = self._lin(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_p)
             g, u = gu.split(s.intermediate_size, dim=-1)
-            x = self._lin_add(F.silu(g) * u, layer.down_w, layer.down_b, x)
+            x = self._lin_add(F.silu(g) * u, layer.down_w, layer.down_b, x, layer.down_p)
         return x
 
     def _finish(self, x, batch, cache, starts, lengths, N):

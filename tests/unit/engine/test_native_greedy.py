@@ -34,6 +34,35 @@ def test_logits_match_transformers(tiny_models, hf_models, name, linear):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_few_row_steps_on_plain_weights_match_transformers(tiny_models, hf_models, name):
+    """small_rows: steps of one or two rows multiply the plain weights (F.linear), longer ones the prepacked
+    ones; both give transformers' logits, row by row."""
+    model = NativeLlama.from_pretrained(tiny_models[name], small_rows=2)
+    if not model.packed:
+        pytest.skip("no oneDNN prepacked linear here: every step uses F.linear already")
+    assert model.small_rows == 2 and all(L.down_p is not None for L in model.layers)
+    cache = model.new_cache(2, 64)
+    ids = torch.randint(0, model.spec.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    with torch.inference_mode():
+        ref = hf_models[name](torch.tensor([ids])).logits[0]
+    slot = cache.allocate()
+    model.forward([Seq(slot, ids[:12], list(range(12)), logits="none")], cache)
+    at = 12
+    for n in (1, 2, 1, 3, 2, 9):  # 1-2 rows: plain weights; 3 and 9: prepacked
+        out = model.forward([Seq(slot, ids[at:at + n], list(range(at, at + n)))], cache)[0]
+        torch.testing.assert_close(out, ref[at:at + n], atol=1e-4, rtol=1e-4)
+        at += n
+
+
+def test_plain_weights_are_kept_only_when_used(tiny_models):
+    assert NativeLlama.from_pretrained(tiny_models["llama"], small_rows=0).layers[0].qkv_p is None
+    bf16 = NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16)  # measured only for fp32
+    assert bf16.small_rows == 0 and bf16.layers[0].qkv_p is None
+    auto = NativeLlama.from_pretrained(tiny_models["llama"])  # measured: kept exactly when used
+    assert (auto.layers[0].qkv_p is not None) == (auto.small_rows > 0)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
 @pytest.mark.parametrize("batch", [1, 4, 8])
 @pytest.mark.parametrize("shape", ["chain", "tree"])
 def test_greedy_token_identical(tiny_models, hf_models, name, batch, shape):
