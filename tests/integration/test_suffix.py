@@ -85,6 +85,11 @@ async def test_a_repeated_request_drafts_from_memory_and_memory_stays_bounded(su
     def remembered() -> int:  # outputs the memory took in so far
         return drafter.memory.sequences + drafter.memory.evicted_sequences
 
+    # every earlier output in: no stream open here, and the releases queued on the model thread done (it runs
+    # calls in order); else a release still queued lands during the next request and the count jumps by two
+    servicer = suffix_services["drafter-suffix"].servicer
+    assert await wait_until(lambda: not servicer.open_ids)
+    await servicer.worker.run(lambda: None)
     before = await asyncio.to_thread(remembered)
     first_ids, _, first = await generate(address, prompt=prompt.encode(), max_new_tokens=40, speculation=speculation)
     assert await wait_until(lambda: remembered() == before + 1)  # released: its output is in the memory
