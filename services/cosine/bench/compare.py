@@ -3,6 +3,7 @@
 Same machine, same run, same prompts, same target weights, greedy. Systems (exact names):
 
   target-only       transformers generate(); batch 1 at concurrency 1, static batches of C at concurrency C
+  target-only-bf16  the same with the weights in bf16 (the fair baseline for --dtype bfloat16; not by default)
   llama-cpp         llama.cpp's server on the same weights as GGUF in the same precision (optional: runs
                     where a llama-server binary is given with --llama-server or COSINE_LLAMA_SERVER;
                     skipped with a note otherwise; see cosine/bench/llamacpp.py)
@@ -63,12 +64,13 @@ from pathlib import Path
 
 from cosine.bench import stats as S
 
-HF_SYSTEMS = ("target-only", "hf-assisted", "hf-prompt-lookup")
+HF_SYSTEMS = ("target-only", "target-only-bf16", "hf-assisted", "hf-prompt-lookup")
 CLUSTER_SYSTEMS = ("cosine-plain", "vanilla-sd", "no-routing", "no-fusion", "merge-fusion", "no-pipeline", "fixed-depth",
                    "cosine-full")
 PEER_SYSTEMS = ("llama-cpp",)
 ALL_SYSTEMS = HF_SYSTEMS + PEER_SYSTEMS + CLUSTER_SYSTEMS
 BATCH1 = ("hf-assisted", "hf-prompt-lookup")
+DEFAULT_SYSTEMS = tuple(s for s in ALL_SYSTEMS if s != "target-only-bf16")  # bf16 baseline: by name
 
 
 # the scheduler's per-round histograms (sums and counts), for where a round's time goes
@@ -173,7 +175,7 @@ def build_args(argv):
     p.add_argument("--rate", default=None, help="Poisson arrival rates in requests/s, comma-separated (default 0.5; quick none; '': none)")
     p.add_argument("--requests", type=int, default=0,
                    help="requests per load point (default: the workload, at least 2 per client; Poisson: the workload)")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS), help="systems to run (target-only always runs: it is the reference)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="systems to run (target-only always runs: it is the reference)")
     p.add_argument("--load-systems", default=None,
                    help="systems run at concurrency > 1 and Poisson rates (default: all; quick: target-only,cosine-plain,vanilla-sd,cosine-full)")
     p.add_argument("--drafter", default=None, help="the single LM drafter of hf-assisted and vanilla-sd (default: the best by tau)")
@@ -211,7 +213,7 @@ def build_args(argv):
         p.error(f"unknown system(s) {unknown}; known: {', '.join(ALL_SYSTEMS)}")
     if "target-only" not in args.systems:
         args.systems.insert(0, "target-only")
-    load = args.load_systems if args.load_systems is not None else ("target-only,llama-cpp,cosine-plain,vanilla-sd,cosine-full" if q else ",".join(ALL_SYSTEMS))
+    load = args.load_systems if args.load_systems is not None else ("target-only,target-only-bf16,llama-cpp,cosine-plain,vanilla-sd,cosine-full" if q else ",".join(ALL_SYSTEMS))
     args.load_systems = parse_list(load, str)
     if not args.concurrency and not args.rate:
         p.error("give at least one --concurrency or --rate")
@@ -294,6 +296,13 @@ def main(argv: list[str] | None = None) -> int:
     bar.set_postfix_str("loading the target")
     tok, model = hf.load_target(target_dir)
     systems: dict[str, hf.HFSystem] = {"target-only": hf.HFSystem("target-only", model, tok, max_batch=64)}
+    if "target-only-bf16" in args.systems:
+        from cosine.engine.models import load_causal_lm
+
+        systems["target-only-bf16"] = hf.HFSystem("target-only-bf16", load_causal_lm(target_dir, dtype="bfloat16"), tok,
+                                                  max_batch=64)
+        notes.append("target-only-bf16: target-only with the target's weights in bf16 (transformers; on a CPU with AMX "
+                     "faster than fp32 at batch 8, slower at batch 1): its outputs are compared with fp32 target-only's")
     if "hf-assisted" in args.systems:
         assistant, note = hf.full_vocab_assistant(path_of(best), target_dir)
         notes.append(f"hf-assisted: assistant {best}; {note}; transformers' default assisted schedule "

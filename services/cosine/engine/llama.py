@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from cosine.engine.kv_cache import SlotKVCache
+
+log = logging.getLogger(__name__)
 
 LLAMA_FAMILY = {"llama", "qwen2", "mistral", "smollm", "smollm2", "smollm3"}
 
@@ -136,6 +139,11 @@ def _mkldnn_linear_works(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
+# The attention's key count is a multiple of this (see NativeLlama.forward); caches round their length up
+# to it so that the last positions keep the property.
+KEY_BLOCK = 16
+
+
 @functools.lru_cache(maxsize=256)
 def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     """[n, n] bool: row i is True at i and at every ancestor of i (parents[i] < i; -1 = the cached prefix)."""
@@ -236,11 +244,53 @@ class NativeLlama:
         # SDPA backends to allow (None: PyTorch's choice). On a busy CPU the fused flash kernel's
         # thread pool can stall on tiny problems; [SDPBackend.MATH] is the decomposed path.
         self.sdpa_backends = None
+        # row_chunk: in bf16/fp16 on prepacked weights, every matmul takes at most this many rows per call.
+        # oneDNN's kernel for up to 32 rows gives each row the same bits whatever else is in the call; its
+        # kernel for more rows does not, and bf16 rounding turns those last bits into different tokens
+        # (speculative output departing from plain decoding). Checked at load on this CPU's kernels; 0
+        # where no size passes (then bf16 here is not row-invariant) and in fp32, which does not need it.
+        self.row_chunk = 0
+        if self.packed and dtype in (torch.bfloat16, torch.float16):
+            self.row_chunk = self._find_row_chunk()
         if keep_plain:
             self.small_rows = int(small_rows) if small_rows is not None else self._measure_small_rows()
             if not self.small_rows:
                 for L in self.layers:
                     L.qkv_p = L.o_p = L.gate_up_p = L.down_p = None
+
+    @property
+    def row_invariant(self) -> bool:
+        """Does a row get the same logits whatever rows share its step? (fp32: to its last bits only
+        nearly; measured lossless against transformers. bf16/fp16: exactly, where row_chunk > 0.)"""
+        return self.dtype == torch.float32 or self.row_chunk > 0
+
+    @torch.inference_mode()
+    def _find_row_chunk(self, sizes: tuple[int, ...] = (32, 16, 8)) -> int:
+        """The largest row count per matmul call for which each row of a call equals that row alone, on
+        this model's weight shapes (random inputs; every call size up to the candidate, at two offsets)."""
+        gen = torch.Generator().manual_seed(0)
+        layer = self.layers[0]
+        shapes = [(layer.qkv_w, self.spec.hidden_size), (layer.down_w, self.spec.intermediate_size),
+                  (self.lm_head, self.spec.hidden_size)]
+        for size in sizes:
+            ok = True
+            for weight, k in shapes:
+                x = torch.randn(2 * size, k, generator=gen).to(device=self.device, dtype=self.dtype)
+                alone = torch.cat([self._lin_call(x[i:i + 1], weight, None) for i in range(2 * size)])
+                for m in range(2, size + 1):
+                    for off in (0, size):
+                        if not torch.equal(self._lin_call(x[off:off + m], weight, None), alone[off:off + m]):
+                            ok = False
+                            break
+                    if not ok:
+                        break
+                if not ok:
+                    break
+            if ok:
+                return size
+        log.warning("%s matmuls are not row-invariant on this CPU: speculative output may depart from plain "
+                    "decoding in this dtype", self.dtype)
+        return 0
 
     def _measure_small_rows(self, rows: tuple[int, ...] = (1, 2), rounds: int = 5, margin: float = 0.9) -> int:
         """The most rows (of `rows`, in order) at which the layers' matmuls take under `margin` of the
@@ -299,7 +349,8 @@ class NativeLlama:
 
     def new_cache(self, n_slots: int, max_len: int | None = None) -> SlotKVCache:
         s = self.spec
-        return SlotKVCache(s.n_layers, n_slots, s.n_kv_heads, int(max_len or self.max_positions), s.head_dim,
+        max_len = -(-int(max_len or self.max_positions) // KEY_BLOCK) * KEY_BLOCK
+        return SlotKVCache(s.n_layers, n_slots, s.n_kv_heads, max_len, s.head_dim,
                            dtype=self.dtype, device=self.device)
 
     # -- the forward --------------------------------------------------------------------
@@ -312,6 +363,12 @@ class NativeLlama:
         """linear(x); `plain`: the weight unpacked, used for a step of at most small_rows rows."""
         if plain is not None and x.shape[0] <= self.small_rows:
             return F.linear(x, plain, bias)
+        c = self.row_chunk
+        if c and x.shape[0] > c:
+            return torch.cat([self._lin_call(x[i:i + c], weight, bias) for i in range(0, x.shape[0], c)])
+        return self._lin_call(x, weight, bias)
+
+    def _lin_call(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
@@ -323,6 +380,10 @@ class NativeLlama:
         rounding instead of two, no faster)."""
         if plain is not None and x.shape[0] <= self.small_rows:
             return residual + F.linear(x, plain, bias)
+        c = self.row_chunk
+        if c and x.shape[0] > c:
+            return torch.cat([self._lin_add(x[i:i + c], weight, bias, residual[i:i + c])
+                              for i in range(0, x.shape[0], c)])
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, weight, bias, "add")
         return residual + F.linear(x, weight, bias)
@@ -359,7 +420,12 @@ class NativeLlama:
             raise ValueError("every Seq needs at least one new token")
         starts = [cache.lengths[q.slot] for q in batch]
         T = max(lengths)
-        L = max(st + n for st, n in zip(starts, lengths))
+        # Keys the attention reads: up to the longest row, rounded up to a multiple of KEY_BLOCK (masked
+        # keys past a row's own are exact zeros in its softmax). With the count of keys on a block
+        # boundary, a row's attention is bitwise the same whichever rows share its step (a one-token step,
+        # a draft tree, other requests): SDPA's reductions over keys then never end in a tail whose
+        # order depends on the length. Without it, bf16 speculative output departed from plain decoding.
+        L = min(-(-max(st + n for st, n in zip(starts, lengths)) // KEY_BLOCK) * KEY_BLOCK, cache.max_len)
         slots = [q.slot for q in batch]
         if len(set(slots)) != B:
             raise ValueError("a slot appears twice in one batch")
@@ -412,8 +478,22 @@ class NativeLlama:
         for q, st, n, r in zip(batch, starts, lengths, rows):
             if q.parents is not None:
                 mask[r, :n, st:st + n] = ancestor_mask(tuple(q.parents)).to(dev)
-        mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
-        bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+        # Row-invariant attention (with row_chunk, a step of several rows per request): each new token is its
+        # own attention problem, its request's keys broadcast to it (no copy), exactly the shape of a one-token
+        # step, so SDPA computes the same numbers for it whichever rows share the step. SDPA's kernel for
+        # several query rows of a request picks its blocking and GEMM path from the shape, which changes a
+        # row's last bits.
+        per_row = None
+        if self.row_chunk and T > 1:
+            bias = torch.zeros((R, T, 1, 1, L), dtype=self.dtype, device=dev).masked_fill_(
+                ~mask[:, :, None, None, :], float("-inf"))
+            per_row, off = [], 0
+            for q, n, r in zip(batch, lengths, rows):
+                per_row.append((q.slot, off, n, r))
+                off += n
+        else:
+            mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
+            bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
 
         # Row of each new token's (kv head) in a layer's cache viewed as [slots * nkv * max_len, hd].
         kv_index = ((slot_t[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * cache.max_len
@@ -429,14 +509,14 @@ class NativeLlama:
 
             with sdpa_kernel(self.sdpa_backends):
                 x = self._layers(x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view,
-                                 lo, hi, L, slot_index)
+                                 lo, hi, L, slot_index, per_row)
         else:
             x = self._layers(x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view,
-                             lo, hi, L, slot_index)
+                             lo, hi, L, slot_index, per_row)
         return self._finish(x, batch, cache, starts, lengths, N)
 
     def _layers(self, x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view, lo, hi, L,
-                slot_index):
+                slot_index, per_row=None):
         s = self.spec
         nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
         nrep = nh // nkv
@@ -452,29 +532,43 @@ class NativeLlama:
             kl.view(-1, hd).index_copy_(0, kv_index, k_new.reshape(N * nkv, hd))
             vl.view(-1, hd).index_copy_(0, kv_index, v_new.reshape(N * nkv, hd))
             qh = qk[:, :nh]  # [N, nh, hd]
-            if dense:
-                qp = qh.reshape(R, T, nh, hd)
+            if per_row is not None:
+                o = torch.cat([F.scaled_dot_product_attention(
+                    qh[off:off + n].reshape(n, nkv, nrep, hd), kl[slot:slot + 1, :, :L].expand(n, nkv, L, hd),
+                    vl[slot:slot + 1, :, :L].expand(n, nkv, L, hd), attn_mask=bias[r, :n], scale=self.scale)
+                    .reshape(n, qsz) for slot, off, n, r in per_row])
             else:
-                qp = qh.new_zeros(R * T, nh, hd)
-                qp[row_t] = qh
-                qp = qp.view(R, T, nh, hd)
-            qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, nrep * T, hd)
-            if use_view:
-                kk = kl[lo:hi + 1, :, :L]
-                vv = vl[lo:hi + 1, :, :L]
-            else:
-                kk = kl[:, :, :L].index_select(0, slot_index)
-                vv = vl[:, :, :L].index_select(0, slot_index)
-            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=bias, scale=self.scale)  # [R, nkv, nrep*T, hd]
-            o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
-            if not dense:
-                o = o[row_t]
+                o = self._attend(qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index)
             x = self._lin_add(o, layer.o_w, layer.o_b, x, layer.o_p)
             h = self._rms(x, layer.ln2)
             gu = self._lin(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_p)
             g, u = gu.split(s.intermediate_size, dim=-1)
             x = self._lin_add(F.silu(g) * u, layer.down_w, layer.down_b, x, layer.down_p)
         return x
+
+    def _attend(self, qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index):
+        """Attention of every new row at once: [R, nkv, nrep * T, hd] queries over each request's keys."""
+        s = self.spec
+        nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
+        nrep = nh // nkv
+        if dense:
+            qp = qh.reshape(R, T, nh, hd)
+        else:
+            qp = qh.new_zeros(R * T, nh, hd)
+            qp[row_t] = qh
+            qp = qp.view(R, T, nh, hd)
+        qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, nrep * T, hd)
+        if use_view:
+            kk = kl[lo:hi + 1, :, :L]
+            vv = vl[lo:hi + 1, :, :L]
+        else:
+            kk = kl[:, :, :L].index_select(0, slot_index)
+            vv = vl[:, :, :L].index_select(0, slot_index)
+        o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=bias, scale=self.scale)  # [R, nkv, nrep*T, hd]
+        o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
+        if not dense:
+            o = o[row_t]
+        return o
 
     def _finish(self, x, batch, cache, starts, lengths, N):
         dev = self.device

@@ -51,6 +51,13 @@ class NativeTarget:
             raise ValueError(f"max_context {self.max_context} beyond the model's {model.max_positions} positions")
         self.cache = model.new_cache(n_slots, self.max_context)
         self._reqs: dict[str, _Request] = {}
+        # A tree step gives a node the same logits as plain decoding would only where its ancestors sit at
+        # the cache positions plain decoding gives them: on the tree's main chain (drafted first, so stored
+        # contiguously). Off it the attention sums the same terms at other positions, in another order. fp32
+        # absorbs that (speculative == plain on the real target), bf16 on a CPU does not: there a tree is
+        # verified along its main chain only, which accepts as many tokens per round for greedy decoding and
+        # for sampling alike (a sibling's token is the one the bonus would be). CUDA is left as it was.
+        self.verifies_trees = model.dtype == torch.float32 or model.device.type != "cpu"
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "auto",
@@ -142,6 +149,9 @@ class NativeTarget:
                 raise ValueError(f"request {request_id}: {n_ctx} + {len(tree)} tokens exceed max_context {self.max_context}")
             if self.cache.lengths[req.slot] != n_ctx - 1:
                 raise RuntimeError(f"request {request_id}: cache holds {self.cache.lengths[req.slot]} tokens, expected {n_ctx - 1}")
+            if not self.verifies_trees and not tree.is_chain():
+                tree = DraftTree.chain([tree.tokens[i] for i in tree.main_chain()],
+                                       [tree.probs[i] for i in tree.main_chain()] if tree.probs else None)
             depths = tree.depths()
             positions = [n_ctx - 1] + [n_ctx - 1 + d for d in depths]
             chain = tree.is_chain()

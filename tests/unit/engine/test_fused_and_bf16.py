@@ -73,8 +73,8 @@ def test_cpu_bf16_detection_reads_the_flags():
 
 
 def test_auto_dtype_is_fp32_on_cpu_and_bf16_on_cuda():
-    """auto stays fp32 on CPU even where bf16 is faster (see resolve_dtype: bf16 speculation is not
-    token-identical to bf16 plain decoding on the real target); bfloat16 is there by name."""
+    """auto stays fp32 on CPU even where bf16 is faster (see resolve_dtype: bf16 is lossless against its
+    own plain decoding, but a different model from fp32's); bfloat16 is there by name."""
     assert resolve_dtype("auto", "cpu") == torch.float32
     assert resolve_dtype("auto", "cuda") == torch.bfloat16 and resolve_dtype("auto", "cuda:1") == torch.bfloat16
     assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
@@ -90,3 +90,34 @@ def test_services_dtype_reaches_the_native_engine(tiny_models, tiny_dirs):
     drafter, _ = build(DrafterSettings(name="tiny", kind="lm", model=str(tiny_dirs["drafter"]), dtype="bfloat16",
                                        threads=1))
     assert drafter.model.dtype == torch.bfloat16
+
+
+def test_bf16_on_cpu_verifies_a_tree_along_its_main_chain(tiny_models):
+    """Off the main chain a node's ancestors sit at other cache positions than plain decoding gives them
+    (bf16 rounds the different order into different tokens): bf16 on a CPU verifies the main chain only,
+    fp32 the whole tree. A tree whose target path runs off the main chain commits as a chain would."""
+    fp32 = NativeTarget.from_pretrained(tiny_models["llama"], n_slots=1, max_context=64)
+    bf16 = NativeTarget.from_pretrained(tiny_models["llama"], dtype="bfloat16", n_slots=1, max_context=64)
+    assert fp32.verifies_trees and not bf16.verifies_trees
+    prompt = [5, 17, 3, 9]
+    bf16.open("r", prompt, len(prompt))
+    first = bf16.verify("r", DraftTree(), Sampling()).token_ids[0]
+    bf16.truncate("r", len(prompt))
+    # the target's token sits on a side branch (node 1) and under it; the main chain (node 0) is wrong
+    wrong = (first + 1) % bf16.vocab_size
+    out = bf16.verify("r", DraftTree([wrong, first, 7], [-1, -1, 1]), Sampling())
+    assert out.token_ids == [first] and out.accepted_draft == 0
+    fp32.open("r", prompt, len(prompt))
+    first32 = fp32.verify("r", DraftTree(), Sampling()).token_ids[0]
+    fp32.truncate("r", len(prompt))
+    out32 = fp32.verify("r", DraftTree([(first32 + 1) % fp32.vocab_size, first32, 7], [-1, -1, 1]), Sampling())
+    assert out32.token_ids[0] == first32 and out32.accepted_draft == 1
+
+
+def test_caches_hold_a_whole_number_of_key_blocks(tiny_models):
+    """The attention reads keys in blocks of KEY_BLOCK, so a cache's length is rounded up to one."""
+    from cosine.engine.llama import KEY_BLOCK
+
+    model = NativeLlama.from_pretrained(tiny_models["llama"])
+    assert model.new_cache(1, 33).max_len == -(-33 // KEY_BLOCK) * KEY_BLOCK
+    assert model.new_cache(1, 2 * KEY_BLOCK).max_len == 2 * KEY_BLOCK
