@@ -479,18 +479,14 @@ class NativeLlama:
             if q.parents is not None:
                 mask[r, :n, st:st + n] = ancestor_mask(tuple(q.parents)).to(dev)
         # Row-invariant attention (with row_chunk, a step of several rows per request): each new token is its
-        # own attention problem, its request's keys broadcast to it (no copy), exactly the shape of a one-token
-        # step, so SDPA computes the same numbers for it whichever rows share the step. SDPA's kernel for
-        # several query rows of a request picks its blocking and GEMM path from the shape, which changes a
-        # row's last bits.
-        per_row = None
-        if self.row_chunk and T > 1:
-            bias = torch.zeros((R, T, 1, 1, L), dtype=self.dtype, device=dev).masked_fill_(
-                ~mask[:, :, None, None, :], float("-inf"))
-            per_row, off = [], 0
-            for q, n, r in zip(batch, lengths, rows):
-                per_row.append((q.slot, off, n, r))
-                off += n
+        # own attention problem over its request's keys (the rows as query heads of grouped-query attention:
+        # no copy of the keys), exactly the shape of a one-token step, so SDPA computes the same numbers for it
+        # whichever rows share the step. SDPA's kernel for several query rows of a request picks its blocking
+        # and GEMM path from the shape, which changes a row's last bits.
+        per_row = bool(self.row_chunk) and T > 1
+        if per_row:  # [R, nkv * T, 1, L]: query head (kv head, row) sees its row's keys
+            bias = torch.zeros((R, T, L), dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+            bias = bias[:, None, :, None, :].expand(R, nkv, T, 1, L).reshape(R, nkv * T, 1, L)
         else:
             mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
             bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
@@ -516,7 +512,7 @@ class NativeLlama:
         return self._finish(x, batch, cache, starts, lengths, N)
 
     def _layers(self, x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view, lo, hi, L,
-                slot_index, per_row=None):
+                slot_index, per_row=False):
         s = self.spec
         nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
         nrep = nh // nkv
@@ -532,13 +528,7 @@ class NativeLlama:
             kl.view(-1, hd).index_copy_(0, kv_index, k_new.reshape(N * nkv, hd))
             vl.view(-1, hd).index_copy_(0, kv_index, v_new.reshape(N * nkv, hd))
             qh = qk[:, :nh]  # [N, nh, hd]
-            if per_row is not None:
-                o = torch.cat([F.scaled_dot_product_attention(
-                    qh[off:off + n].reshape(n, nkv, nrep, hd), kl[slot:slot + 1, :, :L].expand(n, nkv, L, hd),
-                    vl[slot:slot + 1, :, :L].expand(n, nkv, L, hd), attn_mask=bias[r, :n], scale=self.scale)
-                    .reshape(n, qsz) for slot, off, n, r in per_row])
-            else:
-                o = self._attend(qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index)
+            o = self._attend(qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index, per_row)
             x = self._lin_add(o, layer.o_w, layer.o_b, x, layer.o_p)
             h = self._rms(x, layer.ln2)
             gu = self._lin(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_p)
@@ -546,8 +536,9 @@ class NativeLlama:
             x = self._lin_add(F.silu(g) * u, layer.down_w, layer.down_b, x, layer.down_p)
         return x
 
-    def _attend(self, qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index):
-        """Attention of every new row at once: [R, nkv, nrep * T, hd] queries over each request's keys."""
+    def _attend(self, qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index, per_row):
+        """Attention of every new row at once: [R, nkv, nrep * T, hd] queries over each request's keys; per_row:
+        [R, nkv * T, nrep, hd], each row of each kv head a query head of its own (see forward)."""
         s = self.spec
         nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
         nrep = nh // nkv
@@ -557,15 +548,20 @@ class NativeLlama:
             qp = qh.new_zeros(R * T, nh, hd)
             qp[row_t] = qh
             qp = qp.view(R, T, nh, hd)
-        qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, nrep * T, hd)
         if use_view:
             kk = kl[lo:hi + 1, :, :L]
             vv = vl[lo:hi + 1, :, :L]
         else:
             kk = kl[:, :, :L].index_select(0, slot_index)
             vv = vl[:, :, :L].index_select(0, slot_index)
-        o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=bias, scale=self.scale)  # [R, nkv, nrep*T, hd]
-        o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
+        if per_row:
+            qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 1, 3, 4).reshape(R, nkv * T, nrep, hd)
+            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=bias, scale=self.scale, enable_gqa=True)
+            o = o.view(R, nkv, T, nrep, hd).permute(0, 2, 1, 3, 4).reshape(R * T, qsz)
+        else:
+            qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, nrep * T, hd)
+            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=bias, scale=self.scale)  # [R, nkv, nrep*T, hd]
+            o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
         if not dense:
             o = o[row_t]
         return o
