@@ -61,14 +61,10 @@ def _plain(target, prompts: dict[str, list[int]], n_new: int, resume: dict[str, 
     return {rid: toks[:n_new] for rid, toks in done.items()}
 
 
-def test_real_target_bf16_speculation_and_resume_equal_plain_decoding(target_dir):
-    """bf16 on a CPU: a row's logits do not depend on the rows that share its step (matmuls in calls of
-    at most row_chunk rows, each new token its own attention problem, keys counted in blocks), and a tree
-    is verified along its main chain. So speculative output, with trees or chains, and a request resumed
-    from its committed tokens (a failover's prefill) equal the same engine's own plain bf16 decoding on the
-    real target, token for token. Before: 2 of 8 requests equal within 48 tokens (Intel Xeon with AMX)."""
-    from transformers import AutoTokenizer
-
+@pytest.fixture
+def bf16_model(target_dir):
+    """The real target on the native engine in bf16, 2 threads at least; skipped where this CPU's bf16
+    matmuls are not row-invariant."""
     from cosine.engine.llama import NativeLlama
 
     before = torch.get_num_threads()
@@ -77,50 +73,55 @@ def test_real_target_bf16_speculation_and_resume_equal_plain_decoding(target_dir
         model = NativeLlama.from_pretrained(target_dir, dtype=torch.bfloat16)
         if not model.row_invariant:
             pytest.skip("bf16 matmuls on this CPU are not row-invariant (no prepacked oneDNN path)")
-        tok = AutoTokenizer.from_pretrained(str(target_dir))
-        prompts = {f"r{i}": tok(t)["input_ids"] for i, t in enumerate(TEXTS_BF16)}
-        target = NativeTarget(model, max_context=256, n_slots=len(prompts))
-        assert not target.verifies_trees
-        n_new = 48
-        plain = _plain(target, prompts, n_new + 12)
-        for shape in ("tree", "chain"):
-            got = speculative_greedy(target, prompts, plain, n_new, random.Random(shape), chain=shape == "chain")
-            for rid in prompts:
-                target.release(rid)
-            assert got == {rid: toks[:n_new] for rid, toks in plain.items()}, shape
-        resumed = _plain(target, prompts, n_new, resume={rid: toks[:13] for rid, toks in plain.items()})
-        assert resumed == {rid: toks[:n_new] for rid, toks in plain.items()}
+        yield model
     finally:
         torch.set_num_threads(before)
 
 
-def test_real_target_bf16_rows_do_not_depend_on_their_step(target_dir):
+def test_real_target_bf16_speculation_and_resume_equal_plain_decoding(bf16_model, target_dir):
+    """bf16 on a CPU: a row's logits do not depend on the rows that share its step (matmuls in calls of
+    at most row_chunk rows, each new token its own attention problem, keys counted in blocks), and a tree
+    is verified along its main chain. So speculative output, with trees or chains, and a request resumed
+    from its committed tokens (a failover's prefill) equal the same engine's own plain bf16 decoding on the
+    real target, token for token. Before: 2 of 8 requests equal within 48 tokens (Intel Xeon with AMX)."""
+    from transformers import AutoTokenizer
+
+    model = bf16_model
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    prompts = {f"r{i}": tok(t)["input_ids"] for i, t in enumerate(TEXTS_BF16)}
+    target = NativeTarget(model, max_context=256, n_slots=len(prompts))
+    assert not target.verifies_trees
+    n_new = 48
+    plain = _plain(target, prompts, n_new + 12)
+    for shape in ("tree", "chain"):
+        got = speculative_greedy(target, prompts, plain, n_new, random.Random(shape), chain=shape == "chain")
+        for rid in prompts:
+            target.release(rid)
+        assert got == {rid: toks[:n_new] for rid, toks in plain.items()}, shape
+    resumed = _plain(target, prompts, n_new, resume={rid: toks[:13] for rid, toks in plain.items()})
+    assert resumed == {rid: toks[:n_new] for rid, toks in plain.items()}
+
+
+def test_real_target_bf16_rows_do_not_depend_on_their_step(bf16_model):
     """bf16 on a CPU, bitwise: each row of a many-row step (4 requests x 11, 17 or 33 new tokens: SDPA's
     query blocks, matmuls of more than 32 rows) has the logits of the same token decoded alone, one token
     per request per step. Without each token as its own attention problem, 79 of 244 rows differed."""
-    from cosine.engine.llama import NativeLlama, Seq
+    from cosine.engine.llama import Seq
 
-    before = torch.get_num_threads()
-    torch.set_num_threads(max(before, 2))
-    try:
-        model = NativeLlama.from_pretrained(target_dir, dtype=torch.bfloat16)
-        if not model.row_invariant:
-            pytest.skip("bf16 matmuls on this CPU are not row-invariant (no prepacked oneDNN path)")
-        rng = random.Random(0)
-        vocab = model.spec.vocab_size
-        differing = []
-        for n_rows in (11, 17, 33):
-            ctxs = [[rng.randrange(vocab) for _ in range(rng.randint(8, 40))] for _ in range(4)]
-            new = [[rng.randrange(vocab) for _ in range(n_rows)] for _ in range(4)]
-            cache = model.new_cache(4, 128)
-            model.forward([Seq(i, c, list(range(len(c))), logits="none") for i, c in enumerate(ctxs)], cache)
-            step = model.forward([Seq(i, t, list(range(len(c), len(c) + n_rows)), logits="all")
-                                  for i, (c, t) in enumerate(zip(ctxs, new))], cache)
-            for i, c in enumerate(ctxs):
-                cache.truncate(i, len(c))
-            for j in range(n_rows):
-                alone = model.forward([Seq(i, [new[i][j]], [len(c) + j]) for i, c in enumerate(ctxs)], cache)
-                differing += [(n_rows, i, j) for i in range(4) if not torch.equal(alone[i][0], step[i][j])]
-        assert differing == []
-    finally:
-        torch.set_num_threads(before)
+    model = bf16_model
+    rng = random.Random(0)
+    vocab = model.spec.vocab_size
+    differing = []
+    for n_rows in (11, 17, 33):
+        ctxs = [[rng.randrange(vocab) for _ in range(rng.randint(8, 40))] for _ in range(4)]
+        new = [[rng.randrange(vocab) for _ in range(n_rows)] for _ in range(4)]
+        cache = model.new_cache(4, 128)
+        model.forward([Seq(i, c, list(range(len(c))), logits="none") for i, c in enumerate(ctxs)], cache)
+        step = model.forward([Seq(i, t, list(range(len(c), len(c) + n_rows)), logits="all")
+                              for i, (c, t) in enumerate(zip(ctxs, new))], cache)
+        for i, c in enumerate(ctxs):
+            cache.truncate(i, len(c))
+        for j in range(n_rows):
+            alone = model.forward([Seq(i, [new[i][j]], [len(c) + j]) for i, c in enumerate(ctxs)], cache)
+            differing += [(n_rows, i, j) for i in range(4) if not torch.equal(alone[i][0], step[i][j])]
+    assert differing == []
