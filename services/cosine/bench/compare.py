@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         warm = [{"disabled": True}, {"drafters": [d.name for d in drafter_specs], "fusion": c.FUSION_MODE_MERGE, "max_depth": 2}]
         for w in warm:
             client.closed_loop(cluster.router_address, workload, [0], w, 1, 8)
+        plain_refs: dict[int, list[int]] | None = None
         for pt in points:
             for name in CLUSTER_SYSTEMS:
                 if not runs_at(name, pt, args):
@@ -418,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
                 row["verifier_mean_batch"] = row["step_ms"]["mean_batch"] if row["step_ms"] else None
                 row["speculation"] = {k: v for k, v in speculation[name].items()}
                 row["per_request"] = _per_request(records)
+                # against the cluster's own plain decoding (same engine, same precision): with --dtype bfloat16 the
+                # check that speculation changed no token, where target-only's fp32 output is another model's
+                if name == "cosine-plain" and pt == ("closed", 1, None):
+                    plain_refs = {r.prompt_index: r.token_ids for r in records if r.error is None}
+                if plain_refs is not None:
+                    row["identical_to_cosine_plain"] = sum(plain_refs.get(r.prompt_index) == r.token_ids
+                                                           for r in records if r.error is None)
                 errors = [r.error for r in records if r.error]
                 if errors:
                     notes.append(f"{name} {_point_label(pt)}: {len(errors)} request(s) failed, first: {errors[0]}")
@@ -431,6 +439,11 @@ def main(argv: list[str] | None = None) -> int:
         cluster.stop()
         bar.close()
     rows += cluster_rows
+    same = [f"{r['name']} {_point_label((r['mode'], r['concurrency'], r['rate']))} {r['identical_to_cosine_plain']}/{r['prompts']}"
+            for r in cluster_rows if r.get("identical_to_cosine_plain") is not None and r["name"] != "cosine-plain"]
+    if same:
+        notes.append("outputs identical to cosine-plain's at concurrency 1 (the same engine and precision, speculation "
+                     "off): " + ", ".join(same))
     S.add_ratios(rows)
     notes += pipeline_notes(rows) + routing_notes(rows)
 
