@@ -73,8 +73,7 @@ class HFTarget:
     def verify(self, request_id: str, tree: DraftTree, sampling: Sampling) -> VerifyOutcome:
         """One forward over the tree's main chain; returns what the target accepts plus its next token."""
         slot = self._slots[request_id]
-        chain_nodes = tree.main_chain()
-        chain = DraftTree.chain([tree.tokens[i] for i in chain_nodes])
+        chain = tree.main_chain_tree()
         n_ctx = len(slot.tokens)
         ids = torch.tensor([[slot.tokens[-1], *chain.tokens]], device=self.device)
         logits = self.model(input_ids=ids, cache=slot.cache, use_cache=True).logits[0]  # [k+1, vocab]

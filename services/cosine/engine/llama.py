@@ -144,6 +144,11 @@ def _mkldnn_linear_works(device: torch.device, dtype: torch.dtype) -> bool:
 KEY_BLOCK = 16
 
 
+def whole_key_blocks(n: int) -> int:
+    """n rounded up to a multiple of KEY_BLOCK."""
+    return -(-n // KEY_BLOCK) * KEY_BLOCK
+
+
 @functools.lru_cache(maxsize=256)
 def ancestor_mask(parents: tuple[int, ...]) -> torch.Tensor:
     """[n, n] bool: row i is True at i and at every ancestor of i (parents[i] < i; -1 = the cached prefix)."""
@@ -272,21 +277,15 @@ class NativeLlama:
         layer = self.layers[0]
         shapes = [(layer.qkv_w, self.spec.hidden_size), (layer.down_w, self.spec.intermediate_size),
                   (self.lm_head, self.spec.hidden_size)]
+
+        def invariant(weight: torch.Tensor, k: int, size: int) -> bool:
+            x = torch.randn(2 * size, k, generator=gen).to(device=self.device, dtype=self.dtype)
+            alone = torch.cat([self._lin_call(x[i:i + 1], weight, None) for i in range(2 * size)])
+            return all(torch.equal(self._lin_call(x[off:off + m], weight, None), alone[off:off + m])
+                       for m in range(2, size + 1) for off in (0, size))
+
         for size in sizes:
-            ok = True
-            for weight, k in shapes:
-                x = torch.randn(2 * size, k, generator=gen).to(device=self.device, dtype=self.dtype)
-                alone = torch.cat([self._lin_call(x[i:i + 1], weight, None) for i in range(2 * size)])
-                for m in range(2, size + 1):
-                    for off in (0, size):
-                        if not torch.equal(self._lin_call(x[off:off + m], weight, None), alone[off:off + m]):
-                            ok = False
-                            break
-                    if not ok:
-                        break
-                if not ok:
-                    break
-            if ok:
+            if all(invariant(weight, k, size) for weight, k in shapes):
                 return size
         log.warning("%s matmuls are not row-invariant on this CPU: speculative output may depart from plain "
                     "decoding in this dtype", self.dtype)
@@ -349,7 +348,7 @@ class NativeLlama:
 
     def new_cache(self, n_slots: int, max_len: int | None = None) -> SlotKVCache:
         s = self.spec
-        max_len = -(-int(max_len or self.max_positions) // KEY_BLOCK) * KEY_BLOCK
+        max_len = whole_key_blocks(int(max_len or self.max_positions))
         return SlotKVCache(s.n_layers, n_slots, s.n_kv_heads, max_len, s.head_dim,
                            dtype=self.dtype, device=self.device)
 
@@ -425,7 +424,7 @@ class NativeLlama:
         # boundary, a row's attention is bitwise the same whichever rows share its step (a one-token step,
         # a draft tree, other requests): SDPA's reductions over keys then never end in a tail whose
         # order depends on the length. Without it, bf16 speculative output departed from plain decoding.
-        L = min(-(-max(st + n for st, n in zip(starts, lengths)) // KEY_BLOCK) * KEY_BLOCK, cache.max_len)
+        L = min(whole_key_blocks(max(st + n for st, n in zip(starts, lengths))), cache.max_len)
         slots = [q.slot for q in batch]
         if len(set(slots)) != B:
             raise ValueError("a slot appears twice in one batch")
@@ -512,7 +511,7 @@ class NativeLlama:
         return self._finish(x, batch, cache, starts, lengths, N)
 
     def _layers(self, x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view, lo, hi, L,
-                slot_index, per_row=False):
+                slot_index, per_row):
         s = self.spec
         nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
         nrep = nh // nkv

@@ -150,8 +150,7 @@ class NativeTarget:
             if self.cache.lengths[req.slot] != n_ctx - 1:
                 raise RuntimeError(f"request {request_id}: cache holds {self.cache.lengths[req.slot]} tokens, expected {n_ctx - 1}")
             if not self.verifies_trees and not tree.is_chain():
-                tree = DraftTree.chain([tree.tokens[i] for i in tree.main_chain()],
-                                       [tree.probs[i] for i in tree.main_chain()] if tree.probs else None)
+                tree = tree.main_chain_tree()
             depths = tree.depths()
             positions = [n_ctx - 1] + [n_ctx - 1 + d for d in depths]
             chain = tree.is_chain()

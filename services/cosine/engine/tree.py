@@ -49,6 +49,11 @@ class DraftTree:
                 chain.append(i)
         return chain
 
+    def main_chain_tree(self) -> "DraftTree":
+        """The main chain alone, as a chain (what a target that verifies chains only checks)."""
+        nodes = self.main_chain()
+        return DraftTree.chain([self.tokens[i] for i in nodes], [self.probs[i] for i in nodes] if self.probs else None)
+
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
