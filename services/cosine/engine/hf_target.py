@@ -62,6 +62,11 @@ class HFTarget:
             self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         self._slots[request_id] = _Slot(cache, list(committed), prompt_len)
 
+    def open_batch(self, items: list[tuple[str, list[int], int]]) -> None:
+        """Open each in turn (transformers' cache is per request here)."""
+        for request_id, committed, prompt_len in items:
+            self.open(request_id, committed, prompt_len)
+
     def committed(self, request_id: str) -> list[int]:
         return list(self._slots[request_id].tokens)
 

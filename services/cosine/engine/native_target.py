@@ -93,8 +93,16 @@ class NativeTarget:
         self.open_batch([(request_id, committed, prompt_len)])
 
     def open_batch(self, items: list[tuple[str, list[int], int]], chunk: int = 512) -> None:
-        """Prefill several requests together, `chunk` tokens of each per forward pass."""
-        todo: list[tuple[int, list[int]]] = []
+        """Prefill several requests together, `chunk` tokens of each per forward pass.
+
+        The prompt's rows (all but its last token) go as prompt rows (`Seq.prompt`): the same prompt gets
+        the same cache whichever requests share its prefill. The rest (a resume's output so far, and the
+        prompt's last token, which a fresh request's first round feeds) go as ordinary rows, which a
+        row-invariant engine computes exactly as the rounds that first committed them: a resumed request
+        continues as it would have.
+        """
+        prompts: list[tuple[int, list[int], int]] = []  # (slot, tokens, first position)
+        rest: list[tuple[int, list[int], int]] = []
         for request_id, committed, prompt_len in items:
             if not committed:
                 raise ValueError("a request needs at least one committed token")
@@ -103,15 +111,21 @@ class NativeTarget:
             self.release(request_id)
             slot = self.cache.allocate()
             self._reqs[request_id] = _Request(slot, list(committed), prompt_len)
-            if len(committed) > 1:
-                todo.append((slot, list(committed[:-1])))
+            head = min(max(prompt_len - 1, 0), len(committed) - 1)
+            if head:
+                prompts.append((slot, list(committed[:head]), 0))
+            if len(committed) - 1 > head:
+                rest.append((slot, list(committed[head:-1]), head))
+        self._prefill(prompts, chunk, prompt=True)
+        self._prefill(rest, chunk, prompt=False)
+
+    def _prefill(self, parts: list[tuple[int, list[int], int]], chunk: int, prompt: bool) -> None:
         done = 0
-        while todo:
-            batch = [Seq(slot, toks[done:done + chunk], list(range(done, min(done + chunk, len(toks)))), logits="none")
-                     for slot, toks in todo]
-            self.model.forward(batch, self.cache)
+        while parts:
+            self.model.forward([Seq(slot, toks[done:done + chunk], list(range(at + done, at + min(done + chunk, len(toks)))),
+                                    logits="none", prompt=prompt) for slot, toks, at in parts], self.cache)
             done += chunk
-            todo = [(slot, toks) for slot, toks in todo if len(toks) > done]
+            parts = [part for part in parts if len(part[1]) > done]
 
     def truncate(self, request_id: str, n_tokens: int) -> None:
         """Cut a request back to its first n_tokens committed tokens (bookkeeping only)."""

@@ -35,6 +35,10 @@ class TargetEngine(Protocol):
     def open(self, request_id: str, committed: list[int], prompt_len: int) -> None:
         """Open a request with its committed tokens (prompt, and output so far on a resume); raises when full."""
 
+    def open_batch(self, items: Sequence[tuple[str, list[int], int]]) -> None:
+        """Open several (request id, committed, prompt_len) at once, prefilled together where the engine can;
+        a request's cache is the same whichever requests share its prefill. Raises as `open` does."""
+
     def release(self, request_id: str) -> None:
         """Free the request's cache (no error when it is not open)."""
 

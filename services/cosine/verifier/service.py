@@ -77,13 +77,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return tree
 
     async def VerifySteps(self, request_iterator, context: grpc.aio.ServicerContext):
-        """A scheduler's steps: per message, opens, releases, then every round queued at once (so the
-        batcher chooses from all of them together); one answer per message. Entry errors stay entry errors."""
+        """A scheduler's steps: per message, releases, then the opens prefilled together (one `open_batch`),
+        then every round queued at once (so the batcher chooses from all of them together); one answer per
+        message. Entry errors stay entry errors."""
         held: dict[str, Sampling] = {}  # requests opened on this stream
         try:
             async for step in request_iterator:
                 results: list[verifier_pb2.VerifyEntryResult | None] = []
-                rounds = []  # (result index, request id, tree, future, trace context)
+                opens = []  # (result index, request id, committed, prompt_len)
+                asked = []  # (result index, request id, round message)
                 for entry in step.entries:
                     rid, kind = entry.request_id, entry.WhichOneof("kind")
                     if kind == "release":
@@ -102,22 +104,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                             self._take_slot()
                             held[rid] = sampling
                             self.open_ids.add(rid)
-                            try:
-                                await self.worker.run(self.engine.open, rid, committed, entry.open.prompt_len)
-                            except BaseException:
-                                held.pop(rid, None)
-                                self.open_ids.discard(rid)
-                                self.slots_taken -= 1
-                                raise
-                            if self.opened is not None:
-                                self.opened.inc()
-                            results.append(verifier_pb2.VerifyEntryResult(request_id=rid, opened=verifier_pb2.VerifyOpened()))
+                            opens.append((len(results), rid, committed, entry.open.prompt_len))
+                            results.append(None)
                         elif kind == "round":
-                            if rid not in held:
-                                raise invalid(f"round for request {rid}, which is not open on this stream")
-                            tree = self._tree(entry.round)
-                            rounds.append((len(results), rid, tree, self.batcher.submit(rid, tree, held[rid]),
-                                           entry.round.trace_context))
+                            asked.append((len(results), rid, entry.round))
                             results.append(None)
                         else:
                             raise invalid("a VerifySteps entry has neither open, round nor release")
@@ -125,6 +115,28 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         results.append(self._entry_error(rid, exc.code, exc.message))
                     except Exception as exc:  # noqa: BLE001 - this entry fails, the stream goes on
                         results.append(self._entry_error(rid, *status_of(exc)))
+                if opens:
+                    for (index, rid, *_), error in zip(opens, await self._open_all(opens)):
+                        if error is None:
+                            if self.opened is not None:
+                                self.opened.inc()
+                            results[index] = verifier_pb2.VerifyEntryResult(request_id=rid, opened=verifier_pb2.VerifyOpened())
+                        else:
+                            held.pop(rid, None)
+                            self.open_ids.discard(rid)
+                            self.slots_taken -= 1
+                            results[index] = self._entry_error(rid, *error)
+                rounds = []  # (result index, request id, tree, future, trace context)
+                for index, rid, message in asked:
+                    try:
+                        if rid not in held:
+                            raise invalid(f"round for request {rid}, which is not open on this stream")
+                        tree = self._tree(message)
+                        rounds.append((index, rid, tree, self.batcher.submit(rid, tree, held[rid]), message.trace_context))
+                    except ServiceError as exc:
+                        results[index] = self._entry_error(rid, exc.code, exc.message)
+                    except Exception as exc:  # noqa: BLE001
+                        results[index] = self._entry_error(rid, *status_of(exc))
                 started = time.perf_counter()
                 outcomes = await asyncio.gather(*(self._round(rid, tree, future, ctx) for _, rid, tree, future, ctx in rounds),
                                                 return_exceptions=True)
@@ -142,6 +154,27 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 self.worker.submit(self.engine.release, rid)
                 self.open_ids.discard(rid)
             self.slots_taken -= len(held)
+
+    async def _open_all(self, opens) -> list[tuple[grpc.StatusCode, str] | None]:
+        """Prefill the opens of one message in one engine call (`open_batch`: one forward for all their
+        prompts, not one each); should that fail, each alone, so an error stays its own entry's."""
+        items = [(rid, committed, prompt_len) for _, rid, committed, prompt_len in opens]
+        try:
+            await self.worker.run(self.engine.open_batch, items)
+            return [None] * len(items)
+        except Exception:  # noqa: BLE001 - find out which: each alone
+            for rid, *_ in items:
+                self.worker.submit(self.engine.release, rid)
+        errors: list[tuple[grpc.StatusCode, str] | None] = []
+        for item in items:
+            try:
+                await self.worker.run(self.engine.open, *item)
+                errors.append(None)
+            except ServiceError as exc:
+                errors.append((exc.code, exc.message))
+            except Exception as exc:  # noqa: BLE001 - this entry fails, the stream goes on
+                errors.append(status_of(exc))
+        return errors
 
     @staticmethod
     def _entry_error(rid: str, code: grpc.StatusCode, message: str) -> verifier_pb2.VerifyEntryResult:
