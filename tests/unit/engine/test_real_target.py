@@ -131,24 +131,25 @@ def test_real_target_bf16_rows_do_not_depend_on_their_step(bf16_model):
 
 def test_real_target_bf16_prompt_prefill_does_not_depend_on_its_company(bf16_model):
     """bf16 on a CPU: prompts prefilled together (one forward, `Seq.prompt` rows: one attention problem per
-    request instead of one per row) leave each request's cache bitwise what prefilling it alone leaves, so
-    the verifier may batch the prefills of a step's new requests without changing any request's output. The
-    company is longer and shorter (the padded query rows of a shared attention call would differ), and the
-    request's first plain steps after it are equal too."""
+    request, and a long prompt's rows multiplied in calls of their own) leave each request's cache bitwise
+    what prefilling it alone leaves, so the verifier may batch the prefills of a step's new requests without
+    changing any request's output. The company is longer and shorter and comes first (shifting where the
+    shared 32-row matmul calls start), and the request's first plain steps after it are equal too."""
     model = bf16_model
     rng = random.Random(7)
     vocab = model.spec.vocab_size
-    prompt = [rng.randrange(vocab) for _ in range(37)]
-    company = [[rng.randrange(vocab) for _ in range(n)] for n in (90, 12, 55)]
-    alone = NativeTarget(model, max_context=256, n_slots=4)
-    alone.open_batch([("a", prompt, len(prompt))])
-    shared = NativeTarget(model, max_context=256, n_slots=4)
-    shared.open_batch([("b0", company[0], len(company[0])), ("a", prompt, len(prompt)),
-                       ("b1", company[1], len(company[1])), ("b2", company[2], len(company[2]))])
-    n = len(prompt) - 1
-    sa, ss = alone.slot_of("a"), shared.slot_of("a")
-    assert torch.equal(alone.cache.k[:, sa, :, :n], shared.cache.k[:, ss, :, :n])
-    assert torch.equal(alone.cache.v[:, sa, :, :n], shared.cache.v[:, ss, :, :n])
-    for _ in range(6):
-        got = [t.verify_batch([("a", DraftTree(), Sampling())])[0].token_ids for t in (alone, shared)]
-        assert got[0] == got[1]
+    for length in (37, 100):
+        prompt = [rng.randrange(vocab) for _ in range(length)]
+        company = [[rng.randrange(vocab) for _ in range(n)] for n in (13, 90, 12, 55)]
+        alone = NativeTarget(model, max_context=256, n_slots=5)
+        alone.open_batch([("a", prompt, len(prompt))])
+        shared = NativeTarget(model, max_context=256, n_slots=5)
+        shared.open_batch([(f"b{i}", c, len(c)) for i, c in enumerate(company[:2])] + [("a", prompt, len(prompt))]
+                          + [(f"b{i}", c, len(c)) for i, c in enumerate(company[2:], 2)])
+        n = len(prompt) - 1
+        sa, ss = alone.slot_of("a"), shared.slot_of("a")
+        assert torch.equal(alone.cache.k[:, sa, :, :n], shared.cache.k[:, ss, :, :n]), length
+        assert torch.equal(alone.cache.v[:, sa, :, :n], shared.cache.v[:, ss, :, :n]), length
+        for _ in range(6):
+            got = [t.verify_batch([("a", DraftTree(), Sampling())])[0].token_ids for t in (alone, shared)]
+            assert got[0] == got[1], length
