@@ -611,6 +611,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         live.round_span(self.tracing)
         if live.spec_call is None and not self._fusion_back(live):
             return RoundOrder(0)
+        if not request.opened and live.plan.depth is not None:
+            # adaptive: the step that opens a request on its verifier prefills it and gives its first token;
+            # a draft for it would put the drafters' prefill of the prompt (and the wait for it) before the
+            # verifier's prefill, and both before the first token
+            return RoundOrder(0)
         d, drafters, budget = self._round_plan(live.plan, room)
         return RoundOrder(d, drafters, budget)
 
