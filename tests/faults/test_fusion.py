@@ -127,7 +127,7 @@ async def test_the_only_fusion_stopped_then_killed_requests_decode_plainly_ident
 
 
 async def test_a_request_decoding_plainly_drafts_again_once_fusion_is_back(tiny_dirs, redis_server, greedy):
-    """The only fusion stops (SIGSTOP) under a long stream and resumes (SIGCONT) half a second later: the
+    """The only fusion stops (SIGSTOP) under a long stream, once it drafted, and resumes (SIGCONT) half a second later: the
     request decodes plainly past the draft deadline, then, fusion_retry_s after it lost fusion and with the
     replica's health check passing again, reopens there and drafts for the rest of its tokens; identical."""
     drafter = await serve_drafter(DrafterSettings(name="ngram", kind="ngram", **COMMON))
@@ -136,7 +136,9 @@ async def test_a_request_decoding_plainly_drafts_again_once_fusion_is_back(tiny_
     try:
         s.update(await start(tiny_dirs, redis_server, [fusion], draft_deadline_s=0.3, fusion_retry_s=0.5))
         router = f"127.0.0.1:{s['router'].port}"
-        pause, paused = on_first(fusion, signal.SIGSTOP, then=(0.6, signal.SIGCONT))
+        # after its first drafts (a request's first round is plain, and the first draft at a fusion stream
+        # has the long first-draft deadline: its drafters prefill the prompt then)
+        pause, paused = on_first(fusion, signal.SIGSTOP, then=(0.6, signal.SIGCONT), after=0.3)
         prompt, n = PROMPTS[2], 440
         started = time.perf_counter()
         ids, final, err = await generate(router, prompt, n, on_first=pause, speculation={"drafters": ["ngram"]})
