@@ -246,7 +246,11 @@ class SpeculationGate:
     the ``explore_every``-th window of a bucket tries the other one, so the other mode
     gets measured and a change in the workload (better drafts, another mix) is noticed. Each
     exploration that leaves the judgement as it was doubles the wait for the next one at that
-    bucket, up to ``max_explore_every`` windows; one that turns it resets the wait. Speculation then
+    bucket, up to ``max_explore_every`` windows; one that turns it resets the wait. What drafting is worth
+    moves one way with load (more requests share each step's weights, so a drafted token saves less of a
+    step and the drafters' forwards take more of the cores): where speculation lost at a lower load, or paid
+    at a higher one, and this bucket's judgement agrees, the judgement is taken as confirmed and the first
+    exploration there already waits ``max_explore_every`` windows. Speculation then
     runs where it has paid at this load and is off where it has not: at most one window in
     ``explore_every`` runs the losing mode, and fewer while the judgement holds (a losing mode
     costs its windows; 32 windows of 0.5 s notice a change within 16 s).
@@ -306,8 +310,22 @@ class SpeculationGate:
         best = self._judgement(bucket)
         if best is not None and self.exploring(bucket):  # this window explores: when is the next one
             _, gap, then = self.explorations.get(bucket, (0, 0, None))
-            gap = min(self.max_explore_every, gap * 2) if gap and then == best else self.explore_every
+            gap = min(self.max_explore_every, gap * 2) if gap and then == best else self._first_gap(bucket, best)
             self.explorations[bucket] = (self.windows.get(bucket, 0) + gap, gap, best)
+
+    def _first_gap(self, bucket: int, best: bool | None) -> int:
+        """Windows before a bucket's first exploration (and after one that turned its judgement)."""
+        return self.max_explore_every if self.confirmed(bucket, best) else self.explore_every
+
+    def confirmed(self, bucket: int, best: bool | None) -> bool:
+        """Whether judgement ``best`` at this bucket agrees with one measured at another load in the direction
+        speculation's worth moves with load: it lost at a lower load, or paid at a higher one."""
+        if best is None:
+            return False
+        for b, modes in self.rates.items():
+            if b != bucket and len(modes) == 2 and (modes[True] >= modes[False]) == best and (b < bucket) != best:
+                return True
+        return False
 
     def _judgement(self, bucket: int) -> bool | None:
         """Whether speculating is the better mode at this bucket (at the nearest judged one until both modes are
@@ -323,7 +341,10 @@ class SpeculationGate:
 
     def exploring(self, bucket: int) -> bool:
         """Whether the next window at this bucket runs the mode that is not the better one."""
-        due = self.explorations.get(bucket, (self.explore_every - 1, 0, None))[0]
+        if bucket in self.explorations:
+            due = self.explorations[bucket][0]
+        else:
+            due = self._first_gap(bucket, self._judgement(bucket)) - 1
         return self.windows.get(bucket, 0) >= due
 
     def choose(self, bucket: int) -> bool:

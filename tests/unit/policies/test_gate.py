@@ -98,6 +98,34 @@ def test_a_new_load_starts_from_the_nearest_judged_one():
     gate = SpeculationGate(window_s=1.0, explore_every=8)
     run(gate, lambda on: 80 if on else 120, live=8, seconds=20)
     assert gate.choose(16) is False  # not measured at 16 yet: as at 8
-    modes = run(gate, lambda on: 80 if on else 120, live=16, seconds=16)
-    assert sum(modes) / len(modes) <= 0.25  # no window-by-window trial of both modes first
+    modes = run(gate, lambda on: 80 if on else 120, live=16, seconds=40)
+    assert sum(modes) / len(modes) <= 0.05  # no window-by-window trial of both modes first
     assert 16 in gate.rates and True in gate.rates[16]  # the exploring windows measured drafting there too
+
+
+def explorations(gate: SpeculationGate, rate, live: int, seconds: float) -> list[int]:
+    """The windows (one per second) in which the gate ran the mode it judged worse."""
+    modes = run(gate, rate, live=live, seconds=seconds, tick=0.5)[::2]
+    worse = not gate.pays(live)
+    return [i for i, on in enumerate(modes) if on == worse]
+
+
+def test_a_judgement_that_follows_from_a_lower_load_is_explored_later():
+    """Speculation lost at 4 requests: at 16 it loses too (drafting is worth less as load grows), so the first
+    window that drafts there comes after max_explore_every windows, not explore_every."""
+    lost = lambda on: 80 if on else 120  # noqa: E731
+    gate = SpeculationGate(window_s=1.0, explore_every=8, max_explore_every=32)
+    run(gate, lost, live=4, seconds=20, tick=0.5)
+    assert gate.confirmed(16, False) and not gate.confirmed(2, False)
+    assert explorations(gate, lost, live=16, seconds=40) == [31]
+    # at a lower load than the one judged, losing is not implied: explored at the usual pace
+    assert explorations(gate, lost, live=2, seconds=20)[0] == 7
+
+
+def test_a_judgement_that_pays_is_confirmed_only_by_a_higher_load():
+    paid = lambda on: 60 if on else 40  # noqa: E731
+    gate = SpeculationGate(window_s=1.0, explore_every=8, max_explore_every=32)
+    run(gate, paid, live=8, seconds=20, tick=0.5)
+    assert gate.confirmed(2, True) and not gate.confirmed(16, True)
+    assert explorations(gate, paid, live=2, seconds=40) == [31]  # plain decoding tried late at the lighter load
+    assert explorations(gate, paid, live=16, seconds=20)[0] == 7
