@@ -254,8 +254,9 @@ class SpeculationGate:
     runs where it has paid at this load and is off where it has not: at most one window in
     ``explore_every`` runs the losing mode, and fewer while the judgement holds (a losing mode
     costs its windows; 32 windows of 0.5 s notice a change within 16 s).
-    A window whose load left its bucket, or that committed fewer than ``min_tokens``,
-    teaches nothing. Times come from the caller's clock (pure code: it runs in simulation).
+    A window whose load left its bucket, that committed fewer than ``min_tokens``, or that ran past
+    twice its length (no adaptive request asked in between: the tokens were others', whatever the
+    mode), teaches nothing. Times come from the caller's clock (pure code: it runs in simulation).
     """
 
     window_s: float = 0.5
@@ -297,6 +298,8 @@ class SpeculationGate:
     def _close(self, now: float) -> None:
         elapsed = now - self._started
         if self._mixed or self._bucket == 0 or elapsed <= 0 or self._tokens < self.min_tokens:
+            return
+        if elapsed > 2 * self.window_s:  # no adaptive request planned a round for a while: its mode did not act
             return
         rate = self._tokens / elapsed
         modes = self.rates.setdefault(self._bucket, {})

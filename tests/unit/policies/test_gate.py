@@ -87,6 +87,21 @@ def test_a_window_whose_load_changed_or_that_idled_teaches_nothing():
     assert gate.rates == {}
 
 
+def test_a_window_left_open_while_no_adaptive_request_asked_teaches_nothing():
+    """Only adaptive requests ask the gate; tokens committed while none did (requests with speculation off
+    or fixed) are not the window's mode at work."""
+    gate = SpeculationGate(window_s=1.0)
+    gate.speculate(0.0, 1)
+    gate.observe(30)
+    gate.speculate(0.9, 1)
+    gate.observe(2000)  # 20 s of other requests' tokens
+    gate.speculate(20.0, 1)
+    assert gate.rates == {}
+    gate.observe(30)
+    gate.speculate(21.0, 1)
+    assert list(gate.rates) == [1] and list(gate.rates[1].values()) == [pytest.approx(30.0)]
+
+
 def test_rejects_bad_settings():
     with pytest.raises(ValueError):
         SpeculationGate(window_s=0)
