@@ -18,7 +18,9 @@ and k together, the KV write, one SDPA call with the query heads of a KV group
 folded into the query length (no repeated K/V), o, gate/up as one matmul, down.
 On CPU with oneDNN's prepacked weights the residual adds ride inside the o and
 down matmuls as post-ops. Tokens are packed (no padding) everywhere except
-inside attention.
+inside attention. This module prepares a pass (positions, masks, where each
+row's K/V goes, the logits wanted); the layers' arithmetic lives in
+`cosine.engine.layers`, which TorchScript runs on CPU.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from cosine.engine import layers
 from cosine.engine.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -273,6 +276,9 @@ class NativeLlama:
             if not self.small_rows:
                 for L in self.layers:
                     L.qkv_p = L.o_p = L.gate_up_p = L.down_p = None
+        self._weights = self._weight_lists()
+        # TorchScript on CPU (the same ops and bits without Python between them); plain Python elsewhere
+        self._decoder = layers.scripted_decoder_layers if self.device.type == "cpu" else layers.decoder_layers
 
     @property
     def row_invariant(self) -> bool:
@@ -368,53 +374,25 @@ class NativeLlama:
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight, 16) if self.packed else weight
 
-    def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             plain: torch.Tensor | None = None, calls=None) -> torch.Tensor:
-        """linear(x); `plain`: the weight unpacked, used for a step of at most small_rows rows; `calls`: row
-        ranges (lo, hi, whole) in order, a whole one multiplied in one call (see `_prompt_calls`)."""
-        if calls is not None:
-            return torch.cat([self._lin_call(x[lo:hi], weight, bias) if whole else self._lin(x[lo:hi], weight, bias)
-                              for lo, hi, whole in calls])
-        if plain is not None and x.shape[0] <= self.small_rows:
-            return F.linear(x, plain, bias)
-        c = self.row_chunk
-        if c and x.shape[0] > c:
-            return torch.cat([self._lin_call(x[i:i + c], weight, bias) for i in range(0, x.shape[0], c)])
-        return self._lin_call(x, weight, bias)
+    def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """linear(x) as the layers do it (the lm head's; chunked where rows must stay row-invariant)."""
+        return layers.linear(x, weight, bias, None, 0, self.packed, self.row_chunk)
 
     def _lin_call(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
-        return F.linear(x, weight, bias)
-
-    def _lin_add(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 residual: torch.Tensor, plain: torch.Tensor | None = None, calls=None,
-                 chunk: bool = True) -> torch.Tensor:
-        """residual + linear(x): on the prepacked path the add is a oneDNN post-op inside the matmul
-        (fp32: the same numbers, o and down ~10% faster at one row here, ~0.7 ms a step; bf16: one
-        rounding instead of two, no faster). `calls` as in `_lin`."""
-        if calls is not None:
-            return torch.cat([self._lin_add(x[lo:hi], weight, bias, residual[lo:hi], chunk=not whole)
-                              for lo, hi, whole in calls])
-        if plain is not None and x.shape[0] <= self.small_rows:
-            return residual + F.linear(x, plain, bias)
-        c = self.row_chunk if chunk else 0
-        if c and x.shape[0] > c:
-            return torch.cat([self._lin_add(x[i:i + c], weight, bias, residual[i:i + c])
-                              for i in range(0, x.shape[0], c)])
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.binary(x.contiguous(), residual, weight, bias, "add")
-        return residual + F.linear(x, weight, bias)
+        return layers.linear_call(x, weight, bias, self.packed)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm with transformers' arithmetic (in float32), in place where it is safe."""
-        xf = x if x.dtype == torch.float32 else x.float()
-        var = torch.mean(xf * xf, -1, keepdim=True)
-        var.add_(self.spec.rms_norm_eps).rsqrt_()
-        out = xf * var
-        if x.dtype != torch.float32:
-            out = out.to(x.dtype)
-        return out.mul_(weight) if out.dtype == weight.dtype else weight * out
+        return layers.rms(x, weight, self.spec.rms_norm_eps)
+
+    def _weight_lists(self) -> tuple:
+        """The layers' weights as the lists `layers.decoder_layers` takes (ln1, ln2, then q/k/v, o, gate/up,
+        down each as weights, biases, plain weights)."""
+        Ls = self.layers
+        return ([L.ln1 for L in Ls], [L.ln2 for L in Ls],
+                [L.qkv_w for L in Ls], [L.qkv_b for L in Ls], [L.qkv_p for L in Ls],
+                [L.o_w for L in Ls], [L.o_b for L in Ls], [L.o_p for L in Ls],
+                [L.gate_up_w for L in Ls], [L.gate_up_b for L in Ls], [L.gate_up_p for L in Ls],
+                [L.down_w for L in Ls], [L.down_b for L in Ls], [L.down_p for L in Ls])
 
     @torch.inference_mode()
     def forward(self, batch: list[Seq], cache: SlotKVCache) -> list[torch.Tensor | None]:
@@ -530,78 +508,19 @@ class NativeLlama:
                     + store_t[:, None]).reshape(-1)
         cos = self.cos[pos_t][:, None, :]  # [N, 1, hd]
         sin = self.sin[pos_t][:, None, :]
-        half = hd // 2
-        qsz, kvsz = nh * hd, nkv * hd
 
         x = self.embed[tok_t]  # [N, H]
+        args = (x, *self._weights, cache.k, cache.v, cos, sin, kv_index, bias, nh, nkv, hd, s.intermediate_size,
+                s.rms_norm_eps, self.scale, self.small_rows, self.packed, self.row_chunk, R, T, dense, row_t, use_view,
+                lo, hi, L, slot_index, per_row, each, calls)
         if self.sdpa_backends is not None:
             from torch.nn.attention import sdpa_kernel
 
             with sdpa_kernel(self.sdpa_backends):
-                x = self._layers(x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view,
-                                 lo, hi, L, slot_index, per_row, each, calls)
+                x = self._decoder(*args)
         else:
-            x = self._layers(x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view,
-                             lo, hi, L, slot_index, per_row, each, calls)
+            x = self._decoder(*args)
         return self._finish(x, batch, cache, starts, lengths, N)
-
-    def _layers(self, x, cache, cos, sin, kv_index, bias, qsz, kvsz, N, R, T, dense, row_t, use_view, lo, hi, L,
-                slot_index, per_row, each=None, calls=None):
-        s = self.spec
-        nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
-        nrep = nh // nkv
-        half = hd // 2
-        for li, layer in enumerate(self.layers):
-            h = self._rms(x, layer.ln1)
-            qkv = self._lin(h, layer.qkv_w, layer.qkv_b, layer.qkv_p, calls)  # [N, (nh + 2 nkv) hd]
-            qk = qkv[:, : qsz + kvsz].view(N, nh + nkv, hd)
-            qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=-1), sin)
-            k_new = qk[:, nh:]
-            v_new = qkv[:, qsz + kvsz:].view(N, nkv, hd)
-            kl, vl = cache.k[li], cache.v[li]  # [slots, nkv, max_len, hd], contiguous
-            kl.view(-1, hd).index_copy_(0, kv_index, k_new.reshape(N * nkv, hd))
-            vl.view(-1, hd).index_copy_(0, kv_index, v_new.reshape(N * nkv, hd))
-            qh = qk[:, :nh]  # [N, nh, hd]
-            if each is not None:
-                o = self._attend_each(qh, kl, vl, each, qsz)
-            else:
-                o = self._attend(qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index, per_row)
-            x = self._lin_add(o, layer.o_w, layer.o_b, x, layer.o_p, calls)
-            h = self._rms(x, layer.ln2)
-            gu = self._lin(h, layer.gate_up_w, layer.gate_up_b, layer.gate_up_p, calls)
-            g, u = gu.split(s.intermediate_size, dim=-1)
-            x = self._lin_add(F.silu(g) * u, layer.down_w, layer.down_b, x, layer.down_p, calls)
-        return x
-
-    def _attend(self, qh, kl, vl, bias, qsz, N, R, T, dense, row_t, use_view, lo, hi, L, slot_index, per_row):
-        """Attention of every new row at once: [R, nkv, nrep * T, hd] queries over each request's keys; per_row:
-        [R, nkv * T, nrep, hd], each row of each kv head a query head of its own (see forward)."""
-        s = self.spec
-        nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
-        nrep = nh // nkv
-        if dense:
-            qp = qh.reshape(R, T, nh, hd)
-        else:
-            qp = qh.new_zeros(R * T, nh, hd)
-            qp[row_t] = qh
-            qp = qp.view(R, T, nh, hd)
-        if use_view:
-            kk = kl[lo:hi + 1, :, :L]
-            vv = vl[lo:hi + 1, :, :L]
-        else:
-            kk = kl[:, :, :L].index_select(0, slot_index)
-            vv = vl[:, :, :L].index_select(0, slot_index)
-        if per_row:
-            qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 1, 3, 4).reshape(R, nkv * T, nrep, hd)
-            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=bias, scale=self.scale, enable_gqa=True)
-            o = o.view(R, nkv, T, nrep, hd).permute(0, 2, 1, 3, 4).reshape(R * T, qsz)
-        else:
-            qp = qp.view(R, T, nkv, nrep, hd).permute(0, 2, 3, 1, 4).reshape(R, nkv, nrep * T, hd)
-            o = F.scaled_dot_product_attention(qp, kk, vv, attn_mask=bias, scale=self.scale)  # [R, nkv, nrep*T, hd]
-            o = o.view(R, nkv, nrep, T, hd).permute(0, 3, 1, 2, 4).reshape(R * T, qsz)
-        if not dense:
-            o = o[row_t]
-        return o
 
     @staticmethod
     def _prompt_calls(lengths: list[int]) -> list[tuple[int, int, bool]] | None:
@@ -620,19 +539,6 @@ class NativeLlama:
         if off > lo:
             calls.append((lo, off, False))
         return calls if any(whole for *_, whole in calls) else None
-
-    def _attend_each(self, qh, kl, vl, each, qsz):
-        """Attention of a prefill, one problem per request over its own keys only: [1, nkv, nrep * n, hd]."""
-        s = self.spec
-        nkv, hd = s.n_kv_heads, s.head_dim
-        nrep = s.n_heads // nkv
-        outs = []
-        for off, n, slot, Lq, bias in each:
-            q = qh[off:off + n].view(n, nkv, nrep, hd).permute(1, 2, 0, 3).reshape(1, nkv, nrep * n, hd)
-            o = F.scaled_dot_product_attention(q, kl[slot:slot + 1, :, :Lq], vl[slot:slot + 1, :, :Lq], attn_mask=bias,
-                                               scale=self.scale)
-            outs.append(o.view(nkv, nrep, n, hd).permute(2, 0, 1, 3).reshape(n, qsz))
-        return torch.cat(outs)
 
     def _finish(self, x, batch, cache, starts, lengths, N):
         dev = self.device

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from cosine.engine import layers
 from cosine.engine.llama import NativeLlama, Seq, _mkldnn_linear_works
 from cosine.engine.models import cpu_bf16_flags, fast_bf16, resolve_dtype
 from cosine.engine.native_target import NativeTarget
@@ -27,7 +28,7 @@ def test_auto_uses_the_fused_post_ops_on_cpu(tiny_models):
     assert not NativeLlama.from_pretrained(tiny_models["llama"], linear="torch").packed
     x, r = torch.randn(3, 64), torch.randn(3, 64)
     w = torch.randn(64, 64)
-    got = model._lin_add(x, model._pack(w), None, r)
+    got = layers.linear_add(x, model._pack(w), None, r, None, 0, model.packed, 0)
     torch.testing.assert_close(got, r + torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
