@@ -35,15 +35,25 @@ def linear_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plain: Optional[torch.Tensor],
-           small_rows: int, packed: bool, chunk: int) -> torch.Tensor:
-    """linear(x); `plain`: the weight unpacked, used for a step of at most small_rows rows; `chunk`: at most
-    this many rows per call (0: all in one)."""
-    if plain is not None and x.shape[0] <= small_rows:
-        return F.linear(x, plain, bias)
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool,
+                chunk: int) -> torch.Tensor:
+    """linear(x) in calls of at most `chunk` rows (0: all in one)."""
     if chunk > 0 and x.shape[0] > chunk:
         return torch.cat([linear_call(x[i:i + chunk], weight, bias, packed) for i in range(0, x.shape[0], chunk)])
     return linear_call(x, weight, bias, packed)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plain: Optional[torch.Tensor],
+           small_rows: int, packed: bool, chunk: int,
+           calls: Optional[List[Tuple[int, int, bool]]] = None) -> torch.Tensor:
+    """linear(x); `plain`: the weight unpacked, used for a step of at most small_rows rows; `chunk`: at most
+    this many rows per call (0: all in one); `calls`: row ranges (lo, hi, whole) in order, a whole one
+    multiplied in one call, the others in chunks (a prefill's, see NativeLlama._prompt_calls)."""
+    if calls is not None:
+        return torch.cat([linear_rows(x[lo:hi], weight, bias, packed, 0 if whole else chunk) for lo, hi, whole in calls])
+    if plain is not None and x.shape[0] <= small_rows:
+        return F.linear(x, plain, bias)
+    return linear_rows(x, weight, bias, packed, chunk)
 
 
 def linear_add_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
@@ -55,27 +65,24 @@ def linear_add_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
     return residual + F.linear(x, weight, bias)
 
 
-def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-               plain: Optional[torch.Tensor], small_rows: int, packed: bool, chunk: int) -> torch.Tensor:
-    """residual + linear(x), with `plain`, `small_rows` and `chunk` as in `linear`."""
-    if plain is not None and x.shape[0] <= small_rows:
-        return residual + F.linear(x, plain, bias)
+def linear_add_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+                    packed: bool, chunk: int) -> torch.Tensor:
     if chunk > 0 and x.shape[0] > chunk:
         return torch.cat([linear_add_call(x[i:i + chunk], weight, bias, residual[i:i + chunk], packed)
                           for i in range(0, x.shape[0], chunk)])
     return linear_add_call(x, weight, bias, residual, packed)
 
 
-def linear_calls(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool, chunk: int,
-                 calls: List[Tuple[int, int, bool]]) -> torch.Tensor:
-    """linear(x) over row ranges (lo, hi, whole) in order: a whole one in one call, the others in chunks."""
-    return torch.cat([linear(x[lo:hi], weight, bias, None, 0, packed, 0 if whole else chunk) for lo, hi, whole in calls])
-
-
-def linear_add_calls(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                     packed: bool, chunk: int, calls: List[Tuple[int, int, bool]]) -> torch.Tensor:
-    return torch.cat([linear_add(x[lo:hi], weight, bias, residual[lo:hi], None, 0, packed, 0 if whole else chunk)
-                      for lo, hi, whole in calls])
+def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
+               plain: Optional[torch.Tensor], small_rows: int, packed: bool, chunk: int,
+               calls: Optional[List[Tuple[int, int, bool]]] = None) -> torch.Tensor:
+    """residual + linear(x), with `plain`, `small_rows`, `chunk` and `calls` as in `linear`."""
+    if calls is not None:
+        return torch.cat([linear_add_rows(x[lo:hi], weight, bias, residual[lo:hi], packed, 0 if whole else chunk)
+                          for lo, hi, whole in calls])
+    if plain is not None and x.shape[0] <= small_rows:
+        return residual + F.linear(x, plain, bias)
+    return linear_add_rows(x, weight, bias, residual, packed, chunk)
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -162,10 +169,7 @@ def decoder_layers(
     half = hd // 2
     for li in range(len(ln1)):
         h = rms(x, ln1[li], eps)
-        if calls is not None:
-            qkv = linear_calls(h, qkv_w[li], qkv_b[li], packed, chunk, calls)
-        else:
-            qkv = linear(h, qkv_w[li], qkv_b[li], qkv_p[li], small_rows, packed, chunk)  # [N, (nh + 2 nkv) hd]
+        qkv = linear(h, qkv_w[li], qkv_b[li], qkv_p[li], small_rows, packed, chunk, calls)  # [N, (nh + 2 nkv) hd]
         qk = qkv[:, : qsz + kvsz].view(N, nh + nkv, hd)
         qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=[-1]), sin)
         k_new = qk[:, nh:]
@@ -179,21 +183,12 @@ def decoder_layers(
         else:
             o = attend(qh, kl, vl, bias, nh, nkv, hd, R, T, dense, row_t, use_view, lo, hi, L, slot_index, per_row,
                        scale)
-        if calls is not None:
-            x = linear_add_calls(o, o_w[li], o_b[li], x, packed, chunk, calls)
-        else:
-            x = linear_add(o, o_w[li], o_b[li], x, o_p[li], small_rows, packed, chunk)
+        x = linear_add(o, o_w[li], o_b[li], x, o_p[li], small_rows, packed, chunk, calls)
         h = rms(x, ln2[li], eps)
-        if calls is not None:
-            gu = linear_calls(h, gate_up_w[li], gate_up_b[li], packed, chunk, calls)
-        else:
-            gu = linear(h, gate_up_w[li], gate_up_b[li], gate_up_p[li], small_rows, packed, chunk)
+        gu = linear(h, gate_up_w[li], gate_up_b[li], gate_up_p[li], small_rows, packed, chunk, calls)
         g, u = gu.split(intermediate, dim=-1)
         a = F.silu(g) * u
-        if calls is not None:
-            x = linear_add_calls(a, down_w[li], down_b[li], x, packed, chunk, calls)
-        else:
-            x = linear_add(a, down_w[li], down_b[li], x, down_p[li], small_rows, packed, chunk)
+        x = linear_add(a, down_w[li], down_b[li], x, down_p[li], small_rows, packed, chunk, calls)
     return x
 
 
