@@ -99,3 +99,26 @@ async def test_a_running_request_whose_owner_died_can_be_created_again_at_once(r
         assert (await store.load("t2")).prompt_token_ids == [5]
     finally:
         await client.aclose()
+
+
+async def _calls(client, command: str) -> int:
+    return int((await client.info("commandstats")).get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+async def test_commit_many_sends_only_the_commits_fenced_and_survives_a_flushed_script_cache(store):
+    epochs = {rid: await store.create(rid, [1, 2], {}, {}) for rid in ("m0", "m1", "m2")}
+    assert await store.commit_many([("m0", 0, [1], 0, 0, None)]) == [None]  # the first loads the script
+    exists, evalsha = await _calls(store.client, "script|exists"), await _calls(store.client, "evalsha")
+    out = await store.commit_many([("m1", 0, [3], 1, 0, None), ("m2", 0, [4, 5], 2, 1, None)])
+    assert out == [None, None]
+    # one pipeline of the two commits: no "is the script loaded?" round trip before them
+    assert await _calls(store.client, "script|exists") == exists
+    assert await _calls(store.client, "evalsha") == evalsha + 2
+    out = await store.commit_many([("m1", 0, [9], 0, 0, None), ("m2", 1, [6], 0, 0, None)])
+    assert isinstance(out[0], StaleCommit) and out[1] is None  # each round fenced on its own
+    await store.client.script_flush()  # as after a Redis restart: the next commits load the script again
+    assert await store.commit_many([("m1", 1, [7], 0, 0, None)]) == [None]
+    await store.client.script_flush()
+    assert await store.renew_many([("m1", epochs["m1"]), ("m2", epochs["m2"] + 1)]) == [True, False]
+    assert (await store.load("m1")).token_ids == [3, 7]
+    assert (await store.load("m2")).token_ids == [4, 5, 6]

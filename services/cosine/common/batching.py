@@ -69,7 +69,14 @@ class Measurement:
 
 
 class LinearTimeModel:
-    """Least-squares time model over `features`; refits lazily from a window of recent measurements."""
+    """Least-squares time model over `features`, fitted on a window of recent measurements.
+
+    A model is asked for predictions many times per step (the batch choice tries every candidate), so
+    `predict` refits lazily, and once the window holds many measurements only after every 1/32 of it is
+    new (every 16 steps with the default window): one more step barely moves a fit over hundreds, and a
+    refit per step cost the scheduler and the verifier a quarter of their CPU at one request in flight.
+    `fit()` refits at once. Each measurement's features are computed once, when it is added.
+    """
 
     n_features = 0
 
@@ -80,7 +87,8 @@ class LinearTimeModel:
             raise ValueError(f"{type(self).__name__} has {self.n_features} coefficients, got {len(coef)}")
         self.coef = np.asarray(coef, dtype=float)
         self.samples: deque[Measurement] = deque(maxlen=window)
-        self._stale = False
+        self._rows: deque[list[float]] = deque(maxlen=window)  # features of each sample, in step
+        self._new = 0  # measurements added since the last fit
 
     @staticmethod
     def features(b: int, L: int, d: int) -> list[float]:
@@ -90,24 +98,26 @@ class LinearTimeModel:
         if m.seconds < 0 or m.batch_size < 0 or m.context_len < 0 or m.draft_len < 0:
             raise ValueError(f"measurement has a negative field: {m}")
         self.samples.append(m)
-        self._stale = True
+        self._rows.append(self.features(m.batch_size, m.context_len, m.draft_len))
+        self._new += 1
 
     def fit(self, samples: Iterable[Measurement] = ()) -> np.ndarray:
         """Add ``samples``, refit on the window; returns the coefficients (unchanged while under-determined)."""
         for m in samples:
             self.add(m)
-        self._stale = False
+        self._new = 0
         if len(self.samples) < self.n_features:
             return self.coef
-        X = np.array([self.features(m.batch_size, m.context_len, m.draft_len) for m in self.samples])
+        X = np.array(self._rows)
         y = np.array([m.seconds for m in self.samples])
-        if np.linalg.matrix_rank(X) < self.n_features:
-            return self.coef
-        self.coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+        # lstsq's rank uses matrix_rank's cut-off (largest singular value x max(M, N) x eps)
+        coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
+        if rank >= self.n_features:
+            self.coef = coef
         return self.coef
 
     def predict(self, b: int, L: int, d: int) -> float:
-        if self._stale:
+        if self._new and self._new >= len(self.samples) >> 5:
             self.fit()
         return max(0.0, float(np.dot(self.coef, self.features(b, L, d))))
 

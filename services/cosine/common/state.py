@@ -280,11 +280,10 @@ class RequestStore:
         StaleCommit (or error) that round met."""
         if not rounds:
             return []
-        async with self.client.pipeline(transaction=False) as pipe:
-            for request_id, step, token_ids, drafted, accepted, policy, *epoch in rounds:
-                args = self._commit_args(step, token_ids, drafted, accepted, policy, epoch[0] if epoch else None)
-                await self._commit(keys=[req_key(request_id), tokens_key(request_id)], args=args, client=pipe)
-            replies = await pipe.execute(raise_on_error=False)
+        replies = await self._run_many(self._commit, [
+            ([req_key(request_id), tokens_key(request_id)],
+             self._commit_args(step, token_ids, drafted, accepted, policy, epoch[0] if epoch else None))
+            for request_id, step, token_ids, drafted, accepted, policy, *epoch in rounds])
         out: list[BaseException | None] = []
         for (request_id, step, *_), reply in zip(rounds, replies):
             if isinstance(reply, BaseException):
@@ -294,6 +293,27 @@ class RequestStore:
             else:
                 out.append(None)
         return out
+
+    async def _run_many(self, script, calls: list[tuple[list, list]]) -> list:
+        """Run `script` once per (keys, args) in one pipeline (one round trip), by its SHA: redis-py's own
+        pipelining of a registered script asks Redis whether it is loaded first, a second round trip per
+        step. Calls Redis answers NOSCRIPT (restarted, script cache flushed) ran nothing: the script is
+        loaded and those run again. One reply per call, errors as values."""
+        replies: list = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            async with self.client.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                out = await pipe.execute(raise_on_error=False)
+            for i, reply in zip(todo, out):
+                replies[i] = reply
+            todo = [i for i in todo if isinstance(replies[i], redis_errors.NoScriptError)]
+            if not todo or attempt:
+                break
+            await self.client.script_load(script.script)
+        return replies
 
     def _commit_args(self, step, token_ids, drafted, accepted, policy, epoch) -> list:
         return [step, self.ttl_s, drafted, accepted, len(token_ids), *token_ids,
@@ -306,11 +326,9 @@ class RequestStore:
         another owner took the request over (or its state is gone)."""
         if not owned:
             return []
-        async with self.client.pipeline(transaction=False) as pipe:
-            for request_id, epoch in owned:
-                await self._renew(keys=[req_key(request_id), tokens_key(request_id)], args=[str(epoch), self.ttl_s, self.lease_ms],
-                                  client=pipe)
-            replies = await pipe.execute(raise_on_error=False)
+        replies = await self._run_many(self._renew, [
+            ([req_key(request_id), tokens_key(request_id)], [str(epoch), self.ttl_s, self.lease_ms])
+            for request_id, epoch in owned])
         return [r == 1 for r in replies]
 
     @_store_errors
