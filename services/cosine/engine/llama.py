@@ -215,8 +215,12 @@ class NativeLlama:
         prefix = "model." if "model.embed_tokens.weight" in state else ""
         self.embed = w(f"{prefix}embed_tokens.weight")
         self.norm = w(f"{prefix}norm.weight")
-        self.lm_head = self._pack(
-            w("lm_head.weight") if ("lm_head.weight" in state and not spec.tie_word_embeddings) else self.embed)
+        head = w("lm_head.weight") if ("lm_head.weight" in state and not spec.tie_word_embeddings) else self.embed
+        self.lm_head = self._pack(head)
+        # the head's plain weight for few-row steps (head_small_rows, measured apart from the layers': one
+        # fp32 row through the target's head, 2 threads: 2.7 ms against 3.6 prepacked); tied: the embedding
+        self.head_plain = head if keep_plain else None
+        self.head_small_rows = 0
         self.layers: list[_Layer] = []
         for i in range(s.n_layers):
             p = f"{prefix}layers.{i}."
@@ -272,10 +276,16 @@ class NativeLlama:
         if exact_rows and self.packed and dtype in (torch.bfloat16, torch.float16):
             self.row_chunk = self._find_row_chunk()
         if keep_plain:
-            self.small_rows = int(small_rows) if small_rows is not None else self._measure_small_rows()
+            pairs = [(w_, p_) for L in self.layers for w_, p_ in ((L.qkv_w, L.qkv_p), (L.o_w, L.o_p),
+                                                                  (L.gate_up_w, L.gate_up_p), (L.down_w, L.down_p))]
+            self.small_rows = int(small_rows) if small_rows is not None else self._measure_small_rows(pairs)
+            self.head_small_rows = (int(small_rows) if small_rows is not None
+                                    else self._measure_small_rows([(self.lm_head, self.head_plain)]))
             if not self.small_rows:
                 for L in self.layers:
                     L.qkv_p = L.o_p = L.gate_up_p = L.down_p = None
+            if not self.head_small_rows:
+                self.head_plain = None
         self._weights = self._weight_lists()
         # TorchScript on CPU (the same ops and bits without Python between them); plain Python elsewhere
         self._decoder = layers.scripted_decoder_layers if self.device.type == "cpu" else layers.decoder_layers
@@ -308,27 +318,25 @@ class NativeLlama:
                     "decoding in this dtype", self.dtype)
         return 0
 
-    def _measure_small_rows(self, rows: tuple[int, ...] = (1, 2), rounds: int = 5, margin: float = 0.9) -> int:
-        """The most rows (of `rows`, in order) at which the layers' matmuls take under `margin` of the
-        prepacked time with F.linear on the plain weights; 0 when none. Each candidate: every layer's four
-        matmuls, both ways, interleaved round by round, minimum of `rounds` (noise falls on both alike)."""
+    def _measure_small_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...] = (1, 2),
+                            rounds: int = 5, margin: float = 0.9) -> int:
+        """The most rows (of `rows`, in order) at which the matmuls of `pairs` (prepacked weight, the same
+        plain) take under `margin` of the prepacked time with F.linear on the plain weights; 0 when none.
+        Each candidate: every pair both ways, interleaved round by round, minimum of `rounds` (noise falls on
+        both alike)."""
         best = 0
         with torch.inference_mode():
             for m in rows:
-                x = {n: torch.zeros(m, n, dtype=self.dtype, device=self.device)
-                     for n in (self.spec.hidden_size, self.spec.intermediate_size,
-                               self.spec.n_heads * self.spec.head_dim)}
+                x = {k: torch.zeros(m, k, dtype=self.dtype, device=self.device) for k in {p.shape[1] for _, p in pairs}}
                 timings = {True: [], False: []}
                 for _ in range(rounds):
                     for plain in (True, False):
                         started = time.perf_counter()
-                        for L in self.layers:
-                            for w, p in ((L.qkv_w, L.qkv_p), (L.o_w, L.o_p), (L.gate_up_w, L.gate_up_p),
-                                         (L.down_w, L.down_p)):
-                                if plain:
-                                    F.linear(x[p.shape[1]], p)
-                                else:
-                                    layers.linear_call(x[p.shape[1]], w, None, True)
+                        for w, p in pairs:
+                            if plain:
+                                F.linear(x[p.shape[1]], p)
+                            else:
+                                layers.linear_call(x[p.shape[1]], w, None, True)
                         timings[plain].append(time.perf_counter() - started)
                 if min(timings[True]) >= margin * min(timings[False]):
                     break
@@ -563,5 +571,9 @@ class NativeLlama:
         if not want:
             return [None] * B
         hx = x if len(want) == N else x[torch.tensor(want, device=dev)]
-        logits = self._lin(self._rms(hx, self.norm), self.lm_head, None).float()
+        h = self._rms(hx, self.norm)
+        if self.head_plain is not None and len(want) <= self.head_small_rows:
+            logits = F.linear(h, self.head_plain).float()
+        else:
+            logits = self._lin(h, self.lm_head, None).float()
         return [None if sp is None else logits[sp[0]: sp[0] + sp[1]] for sp in spans]

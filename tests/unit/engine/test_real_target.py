@@ -42,6 +42,33 @@ def test_real_target_greedy_batch4_trees(target_dir):
         torch.set_num_threads(before)
 
 
+def test_real_target_fp32_few_row_steps_on_plain_weights_equal_transformers(target_dir):
+    """fp32 steps of at most small_rows rows multiply the plain weights, the LM head's included (MKL's GEMV,
+    not oneDNN's prepacked kernel): one request decoded alone, token by token, stays transformers' greedy."""
+    from transformers import AutoTokenizer
+
+    from cosine.engine.llama import NativeLlama
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, 2))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+        hf = load_causal_lm(target_dir)
+        model = NativeLlama.from_pretrained(target_dir, dtype="float32", small_rows=2)
+        assert model.head_plain is not None and model.head_small_rows == 2
+        target = NativeTarget(model, 256, 1)
+        for text in ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 5, 8, 13,"]:
+            prompt = tok(text)["input_ids"]
+            target.open("r", prompt, len(prompt))
+            got: list[int] = []
+            while len(got) < 20:
+                got += target.verify_batch([("r", DraftTree(), Sampling())])[0].token_ids
+            target.release("r")
+            assert got[:20] == hf_greedy(hf, prompt, 20), text
+    finally:
+        torch.set_num_threads(before)
+
+
 TEXTS_BF16 = ["The capital of France is", "def fibonacci(n):\n    ",
               "Once upon a time, in a small village by the sea, there lived an old fisherman who",
               "1, 2, 3, 5, 8, 13,", "The three laws of thermodynamics are", "SELECT name, count(*) FROM users",
