@@ -40,3 +40,45 @@ def test_possible_stop_prefix_is_held_until_it_is_not():
     s = StreamText(CharTokenizer(), ["lo!"])
     assert s.add([1, 2])[1] == "Hel"  # "lo" may begin "lo!"
     assert s.add([3])[1] == "lo wor"
+
+
+def _stream(tokenizer, ids, stop=(), rounds=(1, 3, 2)):
+    s = StreamText(tokenizer, list(stop))
+    out, i, k = [], 0, 0
+    while i < len(ids) and not s.stopped:
+        n = rounds[k % len(rounds)]
+        out.append(s.add(ids[i:i + n])[1])
+        i, k = i + n, k + 1
+    return "".join(out) + s.flush(), s
+
+
+def test_the_real_tokenizer_streams_exactly_its_full_decode(target_dir):
+    """Each token decodes a short window; the text streamed is the whole output's decode, character for
+    character: words, code, accents, CJK and emoji split over byte-level tokens, and random token ids
+    (bytes that never make a whole character included)."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    texts = ["Hello , world . It's a test ! Ünïcödé 日本語 🙂 x\n\n  def f(x):\n\treturn x**2  # ½ ≤ ∞",
+             "<|im_start|>assistant\nSure — here’s a list:\n1. 🍎 apple\n2. 🍌 banana<|im_end|>"]
+    rng = random.Random(0)
+    sequences = [tok(t)["input_ids"] for t in texts]
+    sequences += [[rng.randrange(tok.vocab_size) for _ in range(300)] for _ in range(5)]
+    for ids in sequences:
+        for rounds in ((1,), (1, 3, 2), (7,)):
+            text, s = _stream(tok, ids, rounds=rounds)
+            assert text == tok.decode(ids, skip_special_tokens=True)
+            assert s._prefix > 0 or len(ids) < 4  # the window moved on: not the whole output each time
+
+
+def test_the_real_tokenizer_stops_where_the_full_decode_has_the_stop_string(target_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    ids = tok("One 🙂 two, three; four 日本 five. Six!")["input_ids"]
+    full = tok.decode(ids)
+    for stop in ("three", "日本", "🙂 t", "e. S"):
+        text, s = _stream(tok, ids, stop=[stop])
+        assert s.stopped and text == full[:full.index(stop)], stop
