@@ -45,8 +45,23 @@ def cluster(target_dir, tmp_path_factory):
     yield {"address": address, "state": state, "run_dir": run_dir}
     proc.send_signal(signal.SIGINT)  # cosine up stops its services by PID
     try:
-        proc.wait(timeout=60)
+        proc.communicate(timeout=60)  # read what it prints while stopping: a full pipe would block it
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.communicate()
     finally:
-        proc.stdout.close()
+        for entry in state["processes"]:  # what cosine up left running, by the PIDs it recorded
+            _kill_leftover(entry["pid"])
+
+
+def _kill_leftover(pid: int) -> None:
+    """SIGKILL a service of this cluster still alive (its command line checked: a PID may be reused)."""
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return  # gone
+    if "cosine." in cmdline or "redis-server" in cmdline:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
