@@ -322,45 +322,41 @@ class NativeLlama:
                     "decoding in this dtype", self.dtype)
         return 0
 
+    @staticmethod
+    def _best_times(variants, rounds: int) -> list[float]:
+        """Each variant's fastest wall time over `rounds`, run interleaved round by round (noise falls on all alike)."""
+        times = [float("inf")] * len(variants)
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for i, run in enumerate(variants):
+                    started = time.perf_counter()
+                    run()
+                    times[i] = min(times[i], time.perf_counter() - started)
+        return times
+
     def _column_major_faster(self, weights: list[torch.Tensor], rounds: int = 7) -> bool:
         """Does one row through these plain weights (F.linear, MKL) run faster with each weight stored column-
         major (the same [out, in] tensor, transposed in memory)? On an Intel Xeon with AMX, 2 threads, fp32:
-        about 10% for the target's q/k/v and gate/up, not for down. Interleaved, minimum of `rounds`."""
+        about 10% for the target's gate/up, not for down."""
         x = torch.zeros(1, weights[0].shape[1], dtype=self.dtype, device=self.device)
         other = [w.t().contiguous().t() for w in weights]
-        timings = {False: [], True: []}
-        with torch.inference_mode():
-            for _ in range(rounds):
-                for column in (False, True):
-                    started = time.perf_counter()
-                    for w in (other if column else weights):
-                        F.linear(x, w)
-                    timings[column].append(time.perf_counter() - started)
-        return min(timings[True]) < 0.97 * min(timings[False])
+        row, column = self._best_times([lambda: [F.linear(x, w) for w in weights],
+                                        lambda: [F.linear(x, w) for w in other]], rounds)
+        return column < 0.97 * row
 
     def _measure_small_rows(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], rows: tuple[int, ...] = (1, 2),
                             rounds: int = 5, margin: float = 0.9) -> int:
         """The most rows (of `rows`, in order) at which the matmuls of `pairs` (prepacked weight, the same
-        plain) take under `margin` of the prepacked time with F.linear on the plain weights; 0 when none.
-        Each candidate: every pair both ways, interleaved round by round, minimum of `rounds` (noise falls on
-        both alike)."""
+        plain) take under `margin` of the prepacked time with F.linear on the plain weights; 0 when none."""
         best = 0
-        with torch.inference_mode():
-            for m in rows:
-                x = {k: torch.zeros(m, k, dtype=self.dtype, device=self.device) for k in {p.shape[1] for _, p in pairs}}
-                timings = {True: [], False: []}
-                for _ in range(rounds):
-                    for plain in (True, False):
-                        started = time.perf_counter()
-                        for w, p in pairs:
-                            if plain:
-                                F.linear(x[p.shape[1]], p)
-                            else:
-                                layers.linear_call(x[p.shape[1]], w, None, True)
-                        timings[plain].append(time.perf_counter() - started)
-                if min(timings[True]) >= margin * min(timings[False]):
-                    break
-                best = m
+        for m in rows:
+            x = {k: torch.zeros(m, k, dtype=self.dtype, device=self.device) for k in {p.shape[1] for _, p in pairs}}
+            plain, packed = self._best_times([lambda: [F.linear(x[p.shape[1]], p) for _, p in pairs],
+                                              lambda: [layers.linear_call(x[p.shape[1]], w, None, True) for w, p in pairs]],
+                                             rounds)
+            if plain >= margin * packed:
+                break
+            best = m
         return best
 
     # -- loading ----------------------------------------------------------------------
