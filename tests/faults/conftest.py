@@ -157,26 +157,13 @@ def holding(procs: list[Proc]) -> list[Proc]:
     return out
 
 
-def on_first(proc: Proc, sig: int, then: tuple[float, int] | None = None, after: float = 0.0):
-    """(a generate() on_first callback that sends `sig` to `proc` once, `after` seconds after the first token,
-    the list that gets when it did); `then` = (seconds, signal): send that one too, so many seconds later
-    (SIGSTOP, then SIGCONT)."""
-    import threading
-
+def on_first(proc: Proc, sig: int):
+    """(a generate() on_first callback that sends `sig` to `proc` once, on the first token, the list that gets
+    when it did)."""
     sent: list[float] = []
-    armed: list[bool] = []
-
-    def send():
-        sent.append(time.perf_counter())
-        proc.signal(sig)
-        if then is not None:
-            threading.Timer(then[0], proc.signal, (then[1],)).start()
 
     def callback():
-        if not armed:
-            armed.append(True)
-            if after > 0:
-                threading.Timer(after, send).start()
-            else:
-                send()
+        if not sent:
+            sent.append(time.perf_counter())
+            proc.signal(sig)
     return callback, sent
