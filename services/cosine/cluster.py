@@ -240,9 +240,10 @@ class Cluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not ready after {timeout_s:.0f}s: {[p.name for p in pending]} (logs in {run_dir()})")
             time.sleep(0.2)
-        # callers learn a replica is ready from their next load poll (pool_poll_interval_s, 0.5 s): give them two,
-        # so the first requests are spread over every replica rather than the ones that happened to be ready first
-        time.sleep(1.0)
+        # callers reach a replica that came up within reconnect_backoff_max_s (0.5 s, with gRPC's 20% jitter) and
+        # learn it is ready from their next load poll (pool_poll_interval_s, 0.5 s): wait for both, so the first
+        # requests are spread over every replica rather than the ones that happened to be ready first
+        time.sleep(1.5)
 
     def save(self) -> None:
         state = {"router": self.router_address, "processes": [asdict(p) for p in self.processes]}

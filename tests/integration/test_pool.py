@@ -96,6 +96,34 @@ async def test_a_replica_down_or_not_ready_takes_nothing_and_comes_back():
         await b.stop()
 
 
+async def test_a_replica_that_starts_after_its_caller_is_taken_into_use_within_the_reconnect_backoff():
+    """Every process of `cosine up` starts at once: a caller polls replicas that are still loading their models.
+    Its channel must keep trying at most reconnect_backoff_max_s apart; gRPC's default backoff (1 s growing 1.6x
+    to 120 s) left a replica that came up 3 s late unseen for another ~2 s (a CI run: 83% of the load on one)."""
+    from cosine.cluster import free_port
+
+    port = free_port()
+    settings = ServiceSettings(reconnect_backoff_max_s=0.2, **FAST)
+    pool = EndpointPool("drafter", f"127.0.0.1:{port}", settings)
+    await pool.start()
+    late = None
+    try:
+        (endpoint,) = pool.endpoints()
+        await asyncio.sleep(3.0)  # the caller's tries fail meanwhile
+        assert not endpoint.healthy
+        late = GrpcService("late", ServiceSettings(port=port, drain_timeout_s=0.1), lambda server: [])
+        late.report_load = lambda: common_pb2.LoadReport(live_requests=0, capacity=8)
+        await late.start()
+        await late.set_ready()
+        up = asyncio.get_running_loop().time()
+        await until(lambda: endpoint.healthy, timeout=1.0)  # backoff 0.2 s + poll 0.1 s, with room
+        print(f"taken into use {asyncio.get_running_loop().time() - up:.2f}s after it was ready")
+    finally:
+        await pool.close()
+        if late is not None:
+            await late.stop()
+
+
 async def test_a_replica_added_to_the_targets_file_joins_and_one_removed_leaves(tmp_path):
     a, b = await replica("a", live=3), await replica("b")
     path = tmp_path / "verifier.targets"

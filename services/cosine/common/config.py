@@ -28,6 +28,9 @@ class ServiceSettings(BaseSettings):
         "how often a caller asks each replica it calls for its load and readiness (cosine.common.v1.Load)"))
     pool_resolve_interval_s: float = Field(5.0, gt=0, description=(
         "how often dns:/// and file: addresses are resolved again, so new replicas join and removed ones leave"))
+    reconnect_backoff_max_s: float = Field(0.5, gt=0, description=(
+        "longest wait between a channel's tries to connect to a service that is not up (gRPC's own default grows to "
+        "120 s): a replica that starts late or comes back is reached within this, and taken into use at the next poll"))
     log_level: str = Field("INFO", description="logging level")
     tls_cert_file: str = Field("", description="PEM certificate this server presents (TLS on its port); with tls_ca_file also its client certificate")
     tls_key_file: str = Field("", description="PEM private key of tls_cert_file")

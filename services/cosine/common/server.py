@@ -56,7 +56,12 @@ def server_credentials(settings: ServiceSettings) -> grpc.ServerCredentials | No
 
 def open_channel(target: str, settings: ServiceSettings, extra_options: list[tuple[str, object]] | None = None) -> grpc.aio.Channel:
     """A channel to another service: TLS verified with tls_ca_file (presenting this service's certificate) when set."""
-    options = channel_options(settings) + list(extra_options or [])
+    # a caller that starts before the service it calls (every process of `cosine up` starts at once, pods in any
+    # order) keeps trying to connect; with gRPC's default backoff (1 s growing 1.6x a try, to 120 s) a replica that
+    # came up after a few failed tries went unseen for seconds and took no share of the load meanwhile
+    backoff_ms = int(settings.reconnect_backoff_max_s * 1000)
+    options = channel_options(settings) + [("grpc.initial_reconnect_backoff_ms", min(100, backoff_ms)),
+                                           ("grpc.max_reconnect_backoff_ms", backoff_ms)] + list(extra_options or [])
     if not settings.tls_ca_file:
         return grpc.aio.insecure_channel(target, options=options)
     own = settings.tls_cert_file
