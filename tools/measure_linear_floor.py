@@ -9,6 +9,10 @@ engine uses on CPU), each layer with its own random weights so they stream from 
 thread with the thread's CPU time as the clock (robust on a shared machine). A verify of a 16-node tree pushes 17
 rows through them, a decode step 1: the ratio of the two rows' times is the least a tree verify can cost against a
 one-token step with this kernel, and rows x 2 x 134.5M / time is the rate the kernel reaches.
+
+Under each dtype's table, the kernel's peak: 512 rows through one gate/up weight (in cache, so bound by arithmetic,
+not memory), and what each row count's arithmetic alone would take at that rate, against the 1-row step: the least
+any kernel of this CPU and precision can make a tree verify cost.
 """
 
 from __future__ import annotations
@@ -65,6 +69,12 @@ def main() -> None:
             total = t_layers + t_head
             base = total if base is None else base
             print(f"{name:9} {m:4d} {t_layers:10.2f} {t_head:8.2f} {total:9.2f} {total / base:8.2f} {2 * m * PARAMS / total / 1e6:7.0f}")
+        rows, (n, k) = 512, SHAPES["gate_up"]
+        x, w = torch.randn(rows, k, dtype=dt), weights["gate_up"][0]
+        peak = 2 * rows * n * k / cpu_ms(lambda: lin(x, w, None, "none", [], ""), args.repeats) / 1e6
+        floors = ", ".join(f"{m} rows {2 * m * PARAMS / peak / 1e6:.1f} ms ({2 * m * PARAMS / peak / 1e6 / base:.2f}x)"
+                           for m in args.rows)
+        print(f"{name:9} peak {peak:.0f} GFLOPS (512 rows, one weight in cache); arithmetic alone at peak: {floors}")
 
 
 if __name__ == "__main__":
