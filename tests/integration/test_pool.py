@@ -8,6 +8,7 @@ import re
 import grpc
 import pytest
 
+from cosine.cluster import free_port
 from cosine.common.config import ServiceSettings
 from cosine.common.errors import ServiceError
 from cosine.common.pool import EndpointPool, parse_targets, write_targets_file
@@ -17,8 +18,8 @@ from cosine.common.v1 import common_pb2
 FAST = dict(pool_poll_interval_s=0.1, pool_resolve_interval_s=0.2)
 
 
-async def replica(name: str, live: int = 0, ready: bool = True) -> GrpcService:
-    service = GrpcService(name, ServiceSettings(port=0, drain_timeout_s=0.1), lambda server: [])
+async def replica(name: str, live: int = 0, ready: bool = True, port: int = 0) -> GrpcService:
+    service = GrpcService(name, ServiceSettings(port=port, drain_timeout_s=0.1), lambda server: [])
     service.load_now = live
     service.report_load = lambda: common_pb2.LoadReport(live_requests=service.load_now, capacity=8)
     await service.start()
@@ -100,8 +101,6 @@ async def test_a_replica_that_starts_after_its_caller_is_taken_into_use_within_t
     """Every process of `cosine up` starts at once: a caller polls replicas that are still loading their models.
     Its channel must keep trying at most reconnect_backoff_max_s apart; gRPC's default backoff (1 s growing 1.6x
     to 120 s) left a replica that came up 3 s late unseen for another ~2 s (a CI run: 83% of the load on one)."""
-    from cosine.cluster import free_port
-
     port = free_port()
     settings = ServiceSettings(reconnect_backoff_max_s=0.2, **FAST)
     pool = EndpointPool("drafter", f"127.0.0.1:{port}", settings)
@@ -111,10 +110,7 @@ async def test_a_replica_that_starts_after_its_caller_is_taken_into_use_within_t
         (endpoint,) = pool.endpoints()
         await asyncio.sleep(3.0)  # the caller's tries fail meanwhile
         assert not endpoint.healthy
-        late = GrpcService("late", ServiceSettings(port=port, drain_timeout_s=0.1), lambda server: [])
-        late.report_load = lambda: common_pb2.LoadReport(live_requests=0, capacity=8)
-        await late.start()
-        await late.set_ready()
+        late = await replica("late", port=port)
         up = asyncio.get_running_loop().time()
         await until(lambda: endpoint.healthy, timeout=1.0)  # backoff 0.2 s + poll 0.1 s, with room
         print(f"taken into use {asyncio.get_running_loop().time() - up:.2f}s after it was ready")
@@ -184,7 +180,5 @@ async def test_a_second_server_on_a_port_in_use_fails_to_start_instead_of_sharin
 
 
 def test_free_port_never_hands_out_a_port_twice():
-    from cosine.cluster import free_port
-
     ports = [free_port() for _ in range(200)]
     assert len(set(ports)) == len(ports)
