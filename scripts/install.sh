@@ -23,5 +23,8 @@ fi
 echo "==> installing cosine${extra:+[$extra]}"
 "$PYTHON" -m pip install -q --disable-pip-version-check -e ".${extra:+[$extra]}"
 
+echo "==> building CoSine's CPU kernels (cached in \${COSINE_CACHE:-~/.cache/cosine}/kernels; without a C++ compiler the engine uses oneDNN)"
+"$PYTHON" -m cosine.engine.kernels
+
 echo "==> preparing models (cached in \${COSINE_CACHE:-~/.cache/cosine})"
 "$PYTHON" -m cosine.cli zoo >/dev/null

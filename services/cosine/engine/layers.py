@@ -21,14 +21,20 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from cosine.engine import kernels
+
 log = logging.getLogger(__name__)
 
 # oneDNN's unary linear takes a list of post-op scalars (none here), typed as TorchScript wants it
 _Scalars = List[Optional[Union[int, float, complex]]]
 
 
-def linear_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool) -> torch.Tensor:
-    """One matmul call: oneDNN's prepacked linear, or F.linear."""
+def linear_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool,
+                kernel: bool = False) -> torch.Tensor:
+    """One matmul call: CoSine's bf16 kernel (`kernels`, on its packed weight), oneDNN's prepacked linear, or
+    F.linear."""
+    if kernel:
+        return torch.ops.cosine.bf16_linear(x, weight, bias, None)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none",
                                                   torch.jit.annotate(_Scalars, []), "")
@@ -36,53 +42,59 @@ def linear_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool,
-                chunk: int) -> torch.Tensor:
+                chunk: int, kernel: bool = False) -> torch.Tensor:
     """linear(x) in calls of at most `chunk` rows (0: all in one)."""
     if chunk > 0 and x.shape[0] > chunk:
-        return torch.cat([linear_call(x[i:i + chunk], weight, bias, packed) for i in range(0, x.shape[0], chunk)])
-    return linear_call(x, weight, bias, packed)
+        return torch.cat([linear_call(x[i:i + chunk], weight, bias, packed, kernel)
+                          for i in range(0, x.shape[0], chunk)])
+    return linear_call(x, weight, bias, packed, kernel)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plain: Optional[torch.Tensor],
            small_rows: int, packed: bool, chunk: int,
-           calls: Optional[List[Tuple[int, int, bool]]] = None) -> torch.Tensor:
+           calls: Optional[List[Tuple[int, int, bool]]] = None, kernel: bool = False) -> torch.Tensor:
     """linear(x); `plain`: the weight unpacked, used for a step of at most small_rows rows; `chunk`: at most
     this many rows per call (0: all in one); `calls`: row ranges (lo, hi, whole) in order, a whole one
-    multiplied in one call, the others in chunks (a prefill's, see NativeLlama._prompt_calls)."""
+    multiplied in one call, the others in chunks (a prefill's, see NativeLlama._prompt_calls); `kernel`:
+    `weight` is packed for CoSine's bf16 kernel, which multiplies every call."""
     if calls is not None:
-        return torch.cat([linear_rows(x[lo:hi], weight, bias, packed, 0 if whole else chunk) for lo, hi, whole in calls])
+        return torch.cat([linear_rows(x[lo:hi], weight, bias, packed, 0 if whole else chunk, kernel)
+                          for lo, hi, whole in calls])
     if plain is not None and x.shape[0] <= small_rows:
         return F.linear(x, plain, bias)
-    return linear_rows(x, weight, bias, packed, chunk)
+    return linear_rows(x, weight, bias, packed, chunk, kernel)
 
 
 def linear_add_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                    packed: bool) -> torch.Tensor:
+                    packed: bool, kernel: bool = False) -> torch.Tensor:
     """residual + linear(x) in one matmul call: on the prepacked path the add is a oneDNN post-op inside the
-    matmul (fp32: the same numbers, o and down ~10% faster at one row; bf16: one rounding instead of two)."""
+    matmul (fp32: the same numbers, o and down ~10% faster at one row; bf16: one rounding instead of two), in
+    CoSine's bf16 kernel its epilogue (one rounding)."""
+    if kernel:
+        return torch.ops.cosine.bf16_linear(x, weight, bias, residual)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), residual, weight, bias, "add")
     return residual + F.linear(x, weight, bias)
 
 
 def linear_add_rows(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
-                    packed: bool, chunk: int) -> torch.Tensor:
+                    packed: bool, chunk: int, kernel: bool = False) -> torch.Tensor:
     if chunk > 0 and x.shape[0] > chunk:
-        return torch.cat([linear_add_call(x[i:i + chunk], weight, bias, residual[i:i + chunk], packed)
+        return torch.cat([linear_add_call(x[i:i + chunk], weight, bias, residual[i:i + chunk], packed, kernel)
                           for i in range(0, x.shape[0], chunk)])
-    return linear_add_call(x, weight, bias, residual, packed)
+    return linear_add_call(x, weight, bias, residual, packed, kernel)
 
 
 def linear_add(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], residual: torch.Tensor,
                plain: Optional[torch.Tensor], small_rows: int, packed: bool, chunk: int,
-               calls: Optional[List[Tuple[int, int, bool]]] = None) -> torch.Tensor:
-    """residual + linear(x), with `plain`, `small_rows`, `chunk` and `calls` as in `linear`."""
+               calls: Optional[List[Tuple[int, int, bool]]] = None, kernel: bool = False) -> torch.Tensor:
+    """residual + linear(x), with `plain`, `small_rows`, `chunk`, `calls` and `kernel` as in `linear`."""
     if calls is not None:
-        return torch.cat([linear_add_rows(x[lo:hi], weight, bias, residual[lo:hi], packed, 0 if whole else chunk)
-                          for lo, hi, whole in calls])
+        return torch.cat([linear_add_rows(x[lo:hi], weight, bias, residual[lo:hi], packed, 0 if whole else chunk,
+                                          kernel) for lo, hi, whole in calls])
     if plain is not None and x.shape[0] <= small_rows:
         return residual + F.linear(x, plain, bias)
-    return linear_add_rows(x, weight, bias, residual, packed, chunk)
+    return linear_add_rows(x, weight, bias, residual, packed, chunk, kernel)
 
 
 def rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,7 +167,7 @@ def decoder_layers(
     cache_k: torch.Tensor, cache_v: torch.Tensor,
     cos: torch.Tensor, sin: torch.Tensor, kv_index: torch.Tensor, bias: Optional[torch.Tensor],
     nh: int, nkv: int, hd: int, intermediate: int, eps: float, scale: float,
-    small_rows: int, packed: bool, chunk: int,
+    small_rows: int, packed: bool, chunk: int, kernel: bool,
     R: int, T: int, dense: bool, row_t: Optional[torch.Tensor], use_view: bool, lo: int, hi: int, L: int,
     slot_index: Optional[torch.Tensor], per_row: bool,
     each: Optional[List[Tuple[int, int, int, int, torch.Tensor]]],
@@ -169,7 +181,7 @@ def decoder_layers(
     half = hd // 2
     for li in range(len(ln1)):
         h = rms(x, ln1[li], eps)
-        qkv = linear(h, qkv_w[li], qkv_b[li], qkv_p[li], small_rows, packed, chunk, calls)  # [N, (nh + 2 nkv) hd]
+        qkv = linear(h, qkv_w[li], qkv_b[li], qkv_p[li], small_rows, packed, chunk, calls, kernel)  # [N, (nh + 2 nkv) hd]
         qk = qkv[:, : qsz + kvsz].view(N, nh + nkv, hd)
         qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=[-1]), sin)
         k_new = qk[:, nh:]
@@ -183,12 +195,12 @@ def decoder_layers(
         else:
             o = attend(qh, kl, vl, bias, nh, nkv, hd, R, T, dense, row_t, use_view, lo, hi, L, slot_index, per_row,
                        scale)
-        x = linear_add(o, o_w[li], o_b[li], x, o_p[li], small_rows, packed, chunk, calls)
+        x = linear_add(o, o_w[li], o_b[li], x, o_p[li], small_rows, packed, chunk, calls, kernel)
         h = rms(x, ln2[li], eps)
-        gu = linear(h, gate_up_w[li], gate_up_b[li], gate_up_p[li], small_rows, packed, chunk, calls)
+        gu = linear(h, gate_up_w[li], gate_up_b[li], gate_up_p[li], small_rows, packed, chunk, calls, kernel)
         g, u = gu.split(intermediate, dim=-1)
         a = F.silu(g) * u
-        x = linear_add(a, down_w[li], down_b[li], x, down_p[li], small_rows, packed, chunk, calls)
+        x = linear_add(a, down_w[li], down_b[li], x, down_p[li], small_rows, packed, chunk, calls, kernel)
     return x
 
 
@@ -200,4 +212,5 @@ def _script(fn):
         return fn
 
 
+kernels.load()  # the kernels' ops (or their schemas alone) exist before TorchScript compiles calls to them
 scripted_decoder_layers = _script(decoder_layers)

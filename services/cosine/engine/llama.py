@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cosine.engine import layers
+from cosine.engine import kernels, layers
 from cosine.engine.kv_cache import SlotKVCache
 
 log = logging.getLogger(__name__)
@@ -189,10 +189,26 @@ class NativeLlama:
         self.device = torch.device(device)
         self.dtype = dtype
         # linear: "auto" (oneDNN prepacked weights on CPU where they work: about 2x faster small-batch
-        # fp32 GEMMs than F.linear on an AMD EPYC), "mkldnn" or "torch" (F.linear).
+        # fp32 GEMMs than F.linear on an AMD EPYC; in bf16 CoSine's kernel where oneDNN's matmuls are not
+        # row-invariant, see below), "kernel" (CoSine's bf16 kernel, required), "mkldnn" or "torch" (F.linear).
+        if linear not in ("auto", "kernel", "mkldnn", "torch"):
+            raise ValueError(f"linear must be auto, kernel, mkldnn or torch, got {linear!r}")
         self.packed = linear != "torch" and _mkldnn_linear_works(self.device, dtype)
         if linear == "mkldnn" and not self.packed:
             raise RuntimeError("oneDNN prepacked linear layers are not available here")
+        # kernel: every matmul is CoSine's bf16 kernel (`kernels`, AVX512-BF16) on weights packed for it.
+        # Row-invariant by construction, and on an AMD EPYC faster than oneDNN at 1-300 rows. Taken in bf16
+        # where oneDNN's matmuls are not row-invariant (row_chunk below is 0) or when asked for.
+        self.kernel = False
+        kernel_shapes = [(spec.hidden_size, spec.vocab_size), (spec.hidden_size, spec.hidden_size),  # (in, out)
+                         (spec.hidden_size, (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim),
+                         (spec.hidden_size, 2 * spec.intermediate_size), (spec.intermediate_size, spec.hidden_size)]
+        may_kernel = (linear in ("auto", "kernel") and dtype == torch.bfloat16 and kernels.bf16_available(self.device)
+                      and all(k % 2 == 0 and n % 16 == 0 for k, n in kernel_shapes))
+        if linear == "kernel" and not may_kernel:
+            raise RuntimeError("CoSine's bf16 kernel is not available here (bf16 on a CPU with AVX512-BF16, the "
+                               "kernels built, every weight's rows a multiple of 16 and columns even)")
+        unpacked: dict[str, torch.Tensor] = {}  # the weights as loaded, while the kernel may still take them
         # small_rows: steps of at most this many rows multiply the layers' plain weights with F.linear
         # (MKL's GEMV) instead of the prepacked ones. None: measured at load where it can pay (fp32 with
         # prepacked weights under "auto"; on an Intel Xeon with AMX, one row: 16 ms against 25 for the
@@ -217,6 +233,8 @@ class NativeLlama:
         self.norm = w(f"{prefix}norm.weight")
         head = w("lm_head.weight") if ("lm_head.weight" in state and not spec.tie_word_embeddings) else self.embed
         self.lm_head = self._pack(head)
+        if may_kernel:
+            unpacked["head"] = head
         # the head's plain weight for few-row steps (head_small_rows, measured apart from the layers': one
         # fp32 row through the target's head, 2 threads: 2.7 ms against 3.6 prepacked); tied: the embedding
         self.head_plain = head if keep_plain else None
@@ -249,6 +267,8 @@ class NativeLlama:
             L.down_w = self._pack(down)
             L.down_b = opt(p + "mlp.down_proj.bias")
             L.qkv_p, L.o_p, L.gate_up_p, L.down_p = (qkv, o, gate_up, down) if keep_plain else (None,) * 4
+            if may_kernel:
+                unpacked.update({f"{i}.qkv": qkv, f"{i}.o": o, f"{i}.gate_up": gate_up, f"{i}.down": down})
             self.layers.append(L)
 
         inv_freq, scaling = rope_inv_freq(config, spec, self.max_positions)
@@ -273,8 +293,19 @@ class NativeLlama:
         # exact_rows=False: nothing needs a row's bits independent of its company (a drafter's forwards:
         # whatever it drafts is verified), so matmuls take every row in one call and attention is shared.
         self.row_chunk = 0
-        if exact_rows and self.packed and dtype in (torch.bfloat16, torch.float16):
-            self.row_chunk = self._find_row_chunk()
+        if exact_rows and self.packed and dtype in (torch.bfloat16, torch.float16) and linear != "kernel":
+            self.row_chunk = self._find_row_chunk(warn=not may_kernel)
+        if may_kernel and (linear == "kernel" or not self.row_chunk):
+            pack = torch.ops.cosine.bf16_pack
+            self.lm_head = pack(unpacked["head"])
+            for i, L in enumerate(self.layers):
+                L.qkv_w, L.o_w = pack(unpacked[f"{i}.qkv"]), pack(unpacked[f"{i}.o"])
+                L.gate_up_w, L.down_w = pack(unpacked[f"{i}.gate_up"]), pack(unpacked[f"{i}.down"])
+            self.kernel, self.packed, self.row_chunk = True, False, 0
+        unpacked.clear()
+        # exact: a row's bits must not depend on the rows that share its step, and here they do not
+        # (matmuls in row_chunk calls, or CoSine's kernel): each new token then attends as its own problem
+        self.exact = self.row_chunk > 0 or (self.kernel and exact_rows)
         if keep_plain:
             for kind in ("qkv_p", "o_p", "gate_up_p", "down_p"):
                 if self._column_major_faster([getattr(L, kind) for L in self.layers]):
@@ -297,11 +328,12 @@ class NativeLlama:
     @property
     def row_invariant(self) -> bool:
         """Does a row get the same logits whatever rows share its step? (fp32: to its last bits only
-        nearly; measured lossless against transformers. bf16/fp16: exactly, where row_chunk > 0.)"""
-        return self.dtype == torch.float32 or self.row_chunk > 0
+        nearly; measured lossless against transformers. bf16/fp16: exactly, where row_chunk > 0 or on CoSine's
+        bf16 kernel.)"""
+        return self.dtype == torch.float32 or self.exact
 
     @torch.inference_mode()
-    def _find_row_chunk(self, sizes: tuple[int, ...] = (32, 16, 8)) -> int:
+    def _find_row_chunk(self, sizes: tuple[int, ...] = (32, 16, 8), warn: bool = True) -> int:
         """The largest row count per matmul call for which each row of a call equals that row alone, on
         this model's weight shapes (random inputs; every call size up to the candidate, at two offsets)."""
         gen = torch.Generator().manual_seed(0)
@@ -318,8 +350,9 @@ class NativeLlama:
         for size in sizes:
             if all(invariant(weight, k, size) for weight, k in shapes):
                 return size
-        log.warning("%s matmuls are not row-invariant on this CPU: speculative output may depart from plain "
-                    "decoding in this dtype", self.dtype)
+        if warn:
+            log.warning("%s matmuls are not row-invariant on this CPU: speculative output may depart from plain "
+                        "decoding in this dtype", self.dtype)
         return 0
 
     @staticmethod
@@ -400,10 +433,10 @@ class NativeLlama:
 
     def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """linear(x) as the layers do it (the lm head's; chunked where rows must stay row-invariant)."""
-        return layers.linear(x, weight, bias, None, 0, self.packed, self.row_chunk)
+        return layers.linear(x, weight, bias, None, 0, self.packed, self.row_chunk, None, self.kernel)
 
     def _lin_call(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return layers.linear_call(x, weight, bias, self.packed)
+        return layers.linear_call(x, weight, bias, self.packed, self.kernel)
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return layers.rms(x, weight, self.spec.rms_norm_eps)
@@ -507,7 +540,7 @@ class NativeLlama:
         # decoding: one attention problem per request, shaped by its own rows and keys (`each`), is that,
         # and cheaper than a problem per row (16 real-target prompts, 770 tokens: 465 -> 348-396 ms in bf16).
         each = None
-        if self.row_chunk and T > 1 and all(q.prompt and q.parents is None for q in batch):
+        if self.exact and T > 1 and all(q.prompt and q.parents is None for q in batch):
             each = []
             off = 0
             for q, st, n in zip(batch, starts, lengths):
@@ -517,7 +550,7 @@ class NativeLlama:
                 each.append((off, n, q.slot, Lq, b[None].expand(nrep, n, Lq).reshape(1, 1, nrep * n, Lq)))
                 off += n
         calls = self._prompt_calls(lengths) if each is not None else None
-        per_row = bool(self.row_chunk) and T > 1 and each is None
+        per_row = self.exact and T > 1 and each is None
         if each is not None:
             bias = None
         elif per_row:  # [R, nkv * T, 1, L]: query head (kv head, row) sees its row's keys
@@ -535,7 +568,8 @@ class NativeLlama:
 
         x = self.embed[tok_t]  # [N, H]
         args = (x, *self._weights, cache.k, cache.v, cos, sin, kv_index, bias, nh, nkv, hd, s.intermediate_size,
-                s.rms_norm_eps, self.scale, self.small_rows, self.packed, self.row_chunk, R, T, dense, row_t, use_view,
+                s.rms_norm_eps, self.scale, self.small_rows, self.packed, self.row_chunk, self.kernel, R, T, dense,
+                row_t, use_view,
                 lo, hi, L, slot_index, per_row, each, calls)
         if self.sdpa_backends is not None:
             from torch.nn.attention import sdpa_kernel

@@ -1,0 +1,99 @@
+"""CoSine's own CPU kernels (`csrc/`), built once per machine with torch's C++ extension tooling.
+
+`bf16_linear` (`torch.ops.cosine.bf16_linear(x, wp, bias, residual)` over a weight from
+`torch.ops.cosine.bf16_pack(w)`): a bf16 matmul for CPUs with AVX512-BF16 whose every row has the same
+bits whatever rows share its call (see `csrc/bf16_linear.cpp`). `NativeLlama` uses it in bf16 where
+oneDNN's bf16 matmuls are not row-invariant (so that speculation stays lossless in bf16 there), or when
+asked to (`linear="kernel"`).
+
+The build (some seconds with g++ and ninja) goes to ``$COSINE_CACHE/kernels/<torch>-<hash>/`` and is reused
+by every later process; `scripts/install.sh` runs it (`python -m cosine.engine.kernels`). Where it cannot
+be built (no C++ compiler, no ninja) or the CPU lacks AVX512-BF16, the ops' schemas are still defined, so
+that TorchScript compiles the layers that name them, and the engine keeps oneDNN: `available()` says which.
+`COSINE_KERNELS=0` turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+NAME = "cosine_kernels"
+SOURCES = [Path(__file__).parent / "csrc" / "bf16_linear.cpp"]
+# -fopenmp: at::parallel_for's OpenMP backend is inline in ATen's headers (without it: one thread)
+CFLAGS = ["-O3", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+SCHEMAS = ["bf16_supported() -> bool", "bf16_pack(Tensor w) -> Tensor",
+           "bf16_linear(Tensor x, Tensor wp, Tensor? bias=None, Tensor? residual=None) -> Tensor"]
+_schemas_only = None  # keeps the schema-only library alive when the build is missing
+
+
+def build_dir() -> Path:
+    """Where this source, these flags and this torch build their library."""
+    from cosine.zoo.registry import cache_root
+
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode())
+    return cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:12]}"
+
+
+def build() -> None:
+    """Compile and load the kernels (torch's C++ extension tooling: g++ and ninja; a lock file serialises
+    processes that build at once)."""
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(out),
+                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False, verbose=False)
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> bool:
+    """Build (once per machine) and load the kernels; True when they run on this CPU. Never raises: without
+    them the schemas alone are defined (and the engine does not call them)."""
+    global _schemas_only
+    if os.environ.get("COSINE_KERNELS", "1") == "0":
+        log.info("COSINE_KERNELS=0: CoSine's CPU kernels are off")
+    else:
+        try:
+            library = build_dir() / f"{NAME}.so"
+            if library.exists():  # built before (by install.sh, or another process): no compiler needed
+                torch.ops.load_library(str(library))
+            else:
+                build()
+            return bool(torch.ops.cosine.bf16_supported())
+        except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a refused build: oneDNN instead
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            log.warning("CoSine's CPU kernels could not be built here (%s: %s); the engine keeps oneDNN's matmuls "
+                        "(with g++ installed, `python -m cosine.engine.kernels` builds them)",
+                        type(e).__name__, first)
+    if not hasattr(torch.ops.cosine, "bf16_linear"):
+        _schemas_only = torch.library.Library("cosine", "FRAGMENT")
+        for schema in SCHEMAS:
+            _schemas_only.define(schema)
+    return False
+
+
+def bf16_available(device: torch.device) -> bool:
+    """Whether `bf16_linear` can serve a bf16 model on this device."""
+    return device.type == "cpu" and load()
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ok = load()
+    print(f"cosine kernels: {'built, and they run on this CPU' if ok else 'not in use here (the engine uses oneDNN)'}"
+          f" ({build_dir()})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
