@@ -31,10 +31,10 @@ _Scalars = List[Optional[Union[int, float, complex]]]
 
 def linear_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: bool,
                 kernel: bool = False) -> torch.Tensor:
-    """One matmul call: CoSine's bf16 kernel (`kernels`, on its packed weight), oneDNN's prepacked linear, or
+    """One matmul call: CoSine's kernel (`kernels`, on its packed weight), oneDNN's prepacked linear, or
     F.linear."""
     if kernel:
-        return torch.ops.cosine.bf16_linear(x, weight, bias, None)
+        return torch.ops.cosine.packed_linear(x, weight, bias, None)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none",
                                                   torch.jit.annotate(_Scalars, []), "")
@@ -56,7 +56,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], 
     """linear(x); `plain`: the weight unpacked, used for a step of at most small_rows rows; `chunk`: at most
     this many rows per call (0: all in one); `calls`: row ranges (lo, hi, whole) in order, a whole one
     multiplied in one call, the others in chunks (a prefill's, see NativeLlama._prompt_calls); `kernel`:
-    `weight` is packed for CoSine's bf16 kernel, which multiplies every call."""
+    `weight` is packed for CoSine's kernel, which multiplies every call."""
     if calls is not None:
         return torch.cat([linear_rows(x[lo:hi], weight, bias, packed, 0 if whole else chunk, kernel)
                           for lo, hi, whole in calls])
@@ -69,9 +69,9 @@ def linear_add_call(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
                     packed: bool, kernel: bool = False) -> torch.Tensor:
     """residual + linear(x) in one matmul call: on the prepacked path the add is a oneDNN post-op inside the
     matmul (fp32: the same numbers, o and down ~10% faster at one row; bf16: one rounding instead of two), in
-    CoSine's bf16 kernel its epilogue (one rounding)."""
+    CoSine's kernel its epilogue (bf16: one rounding)."""
     if kernel:
-        return torch.ops.cosine.bf16_linear(x, weight, bias, residual)
+        return torch.ops.cosine.packed_linear(x, weight, bias, residual)
     if packed:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), residual, weight, bias, "add")
     return residual + F.linear(x, weight, bias)

@@ -196,18 +196,24 @@ class NativeLlama:
         self.packed = linear != "torch" and _mkldnn_linear_works(self.device, dtype)
         if linear == "mkldnn" and not self.packed:
             raise RuntimeError("oneDNN prepacked linear layers are not available here")
-        # kernel: every matmul is CoSine's bf16 kernel (`kernels`, AVX512-BF16) on weights packed for it.
-        # Row-invariant by construction, and on an AMD EPYC faster than oneDNN at 1-300 rows. Taken in bf16
-        # where oneDNN's matmuls are not row-invariant (row_chunk below is 0) or when asked for.
-        self.kernel = False
+        # kernel: every matmul is CoSine's kernel (`kernels`: fp32 on AVX-512, bf16 on AVX512-BF16) on weights
+        # packed for it. Row-invariant by construction, and on an AMD EPYC faster than oneDNN at 1-300 rows
+        # (the target's layers, 2 threads: fp32 one row 10.3 against 12.4 ms, 17 rows 15.3 against 16.3).
+        # "auto" takes it in fp32 wherever it runs, and in bf16 where oneDNN's bf16 matmuls are not row-
+        # invariant (row_chunk below is 0; with AMX oneDNN's are, and faster for many rows).
         kernel_shapes = [(spec.hidden_size, spec.vocab_size), (spec.hidden_size, spec.hidden_size),  # (in, out)
                          (spec.hidden_size, (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim),
                          (spec.hidden_size, 2 * spec.intermediate_size), (spec.intermediate_size, spec.hidden_size)]
-        may_kernel = (linear in ("auto", "kernel") and dtype == torch.bfloat16 and kernels.bf16_available(self.device)
-                      and all(k % 2 == 0 and n % 16 == 0 for k, n in kernel_shapes))
+        may_kernel = (linear in ("auto", "kernel") and kernels.available(self.device, dtype)
+                      and all(n % 16 == 0 and (k % 2 == 0 or dtype == torch.float32) for k, n in kernel_shapes))
         if linear == "kernel" and not may_kernel:
-            raise RuntimeError("CoSine's bf16 kernel is not available here (bf16 on a CPU with AVX512-BF16, the "
-                               "kernels built, every weight's rows a multiple of 16 and columns even)")
+            raise RuntimeError("CoSine's kernel is not available here (fp32 on a CPU with AVX-512 or bf16 with "
+                               "AVX512-BF16, the kernels built, every weight's rows a multiple of 16, bf16 columns even)")
+        self.kernel = may_kernel and (dtype == torch.float32 or linear == "kernel")
+        if self.kernel:
+            self.packed = False
+        # bf16 under "auto": oneDNN's packing now, the kernel's after the check below if it fails
+        defer_kernel = may_kernel and not self.kernel
         unpacked: dict[str, torch.Tensor] = {}  # the weights as loaded, while the kernel may still take them
         # small_rows: steps of at most this many rows multiply the layers' plain weights with F.linear
         # (MKL's GEMV) instead of the prepacked ones. None: measured at load where it can pay (fp32 with
@@ -233,7 +239,7 @@ class NativeLlama:
         self.norm = w(f"{prefix}norm.weight")
         head = w("lm_head.weight") if ("lm_head.weight" in state and not spec.tie_word_embeddings) else self.embed
         self.lm_head = self._pack(head)
-        if may_kernel:
+        if defer_kernel:
             unpacked["head"] = head
         # the head's plain weight for few-row steps (head_small_rows, measured apart from the layers': one
         # fp32 row through the target's head, 2 threads: 2.7 ms against 3.6 prepacked); tied: the embedding
@@ -267,7 +273,7 @@ class NativeLlama:
             L.down_w = self._pack(down)
             L.down_b = opt(p + "mlp.down_proj.bias")
             L.qkv_p, L.o_p, L.gate_up_p, L.down_p = (qkv, o, gate_up, down) if keep_plain else (None,) * 4
-            if may_kernel:
+            if defer_kernel:
                 unpacked.update({f"{i}.qkv": qkv, f"{i}.o": o, f"{i}.gate_up": gate_up, f"{i}.down": down})
             self.layers.append(L)
 
@@ -293,19 +299,20 @@ class NativeLlama:
         # exact_rows=False: nothing needs a row's bits independent of its company (a drafter's forwards:
         # whatever it drafts is verified), so matmuls take every row in one call and attention is shared.
         self.row_chunk = 0
-        if exact_rows and self.packed and dtype in (torch.bfloat16, torch.float16) and linear != "kernel":
-            self.row_chunk = self._find_row_chunk(warn=not may_kernel)
-        if may_kernel and (linear == "kernel" or not self.row_chunk):
-            pack = torch.ops.cosine.bf16_pack
-            self.lm_head = pack(unpacked["head"])
+        if exact_rows and self.packed and dtype in (torch.bfloat16, torch.float16):
+            self.row_chunk = self._find_row_chunk(warn=not defer_kernel)
+        if defer_kernel and not self.row_chunk:
+            self.kernel, self.packed = True, False
+            self.lm_head = self._pack(unpacked["head"])
             for i, L in enumerate(self.layers):
-                L.qkv_w, L.o_w = pack(unpacked[f"{i}.qkv"]), pack(unpacked[f"{i}.o"])
-                L.gate_up_w, L.down_w = pack(unpacked[f"{i}.gate_up"]), pack(unpacked[f"{i}.down"])
-            self.kernel, self.packed, self.row_chunk = True, False, 0
+                L.qkv_w, L.o_w = self._pack(unpacked[f"{i}.qkv"]), self._pack(unpacked[f"{i}.o"])
+                L.gate_up_w, L.down_w = self._pack(unpacked[f"{i}.gate_up"]), self._pack(unpacked[f"{i}.down"])
         unpacked.clear()
-        # exact: a row's bits must not depend on the rows that share its step, and here they do not
-        # (matmuls in row_chunk calls, or CoSine's kernel): each new token then attends as its own problem
-        self.exact = self.row_chunk > 0 or (self.kernel and exact_rows)
+        # exact: a row's bits must not depend on the rows that share its step, and here they do not (matmuls in
+        # row_chunk calls, or CoSine's kernel): each new token then attends as its own problem. bf16/fp16 only:
+        # fp32 rounds the last bits of a different order into a different token too rarely to pay for it
+        # (measured lossless against transformers; see row_invariant).
+        self.exact = dtype != torch.float32 and (self.row_chunk > 0 or (self.kernel and exact_rows))
         if keep_plain:
             for kind in ("qkv_p", "o_p", "gate_up_p", "down_p"):
                 if self._column_major_faster([getattr(L, kind) for L in self.layers]):
@@ -429,6 +436,8 @@ class NativeLlama:
     # -- the forward --------------------------------------------------------------------
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return torch.ops.cosine.pack_weight(weight)
         return torch.ops.mkldnn._reorder_linear_weight(weight, 16) if self.packed else weight
 
     def _lin(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

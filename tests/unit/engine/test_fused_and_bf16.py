@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from cosine.engine import layers
+from cosine.engine import kernels, layers
 from cosine.engine.llama import NativeLlama, Seq, _mkldnn_linear_works
 from cosine.engine.models import cpu_bf16_flags, fast_bf16, resolve_dtype
 from cosine.engine.native_target import NativeTarget
@@ -21,15 +21,25 @@ pytestmark = pytest.mark.unit
 N_NEW = 10
 
 
-def test_auto_uses_the_fused_post_ops_on_cpu(tiny_models):
-    """Where oneDNN's prepacked linear works, `linear="auto"` takes the fused path these tests cover."""
-    model = NativeLlama.from_pretrained(tiny_models["llama"])
-    assert model.packed == _mkldnn_linear_works(torch.device("cpu"), torch.float32)
+def test_auto_uses_a_fused_residual_add_on_cpu(tiny_models):
+    """`linear="auto"` takes CoSine's kernel where it runs, else oneDNN's prepacked linear where that works;
+    both add the residual inside the matmul call (the fused path these tests cover), and equal r + F.linear."""
+    cpu = torch.device("cpu")
+    onednn_works = _mkldnn_linear_works(cpu, torch.float32)
+    auto = NativeLlama.from_pretrained(tiny_models["llama"])
+    assert auto.kernel == kernels.available(cpu, torch.float32)
+    assert auto.packed == (onednn_works and not auto.kernel)
+    models = [auto]
+    if onednn_works:
+        onednn = NativeLlama.from_pretrained(tiny_models["llama"], linear="mkldnn")
+        assert onednn.packed and not onednn.kernel
+        models.append(onednn)
     assert not NativeLlama.from_pretrained(tiny_models["llama"], linear="torch").packed
     x, r = torch.randn(3, 64), torch.randn(3, 64)
     w = torch.randn(64, 64)
-    got = layers.linear_add(x, model._pack(w), None, r, None, 0, model.packed, 0)
-    torch.testing.assert_close(got, r + torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
+    for model in models:
+        got = layers.linear_add(x, model._pack(w), None, r, None, 0, model.packed, 0, None, model.kernel)
+        torch.testing.assert_close(got, r + torch.nn.functional.linear(x, w), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
@@ -52,10 +62,12 @@ def test_uniform_decode_batch_equals_transformers(tiny_models, hf_models, name, 
 
 
 def test_fused_and_unfused_logits_agree(tiny_models):
-    """The post-op path (residual adds inside the matmuls) against the separate ops."""
+    """The post-op paths (residual adds inside the matmuls: CoSine's kernel, oneDNN's) against the separate ops."""
     ids = torch.randint(0, 96, (20,), generator=torch.Generator().manual_seed(3)).tolist()
     outs = []
-    for linear in ("auto", "torch"):
+    for linear in ("auto", "mkldnn", "torch"):
+        if linear == "mkldnn" and not _mkldnn_linear_works(torch.device("cpu"), torch.float32):
+            continue
         model = NativeLlama.from_pretrained(tiny_models["llama"], linear=linear)
         cache = model.new_cache(1, 32)
         slot = cache.allocate()

@@ -1,5 +1,5 @@
-"""CoSine's bf16 kernel (`cosine.engine.kernels`, `csrc/bf16_linear.cpp`): the numbers of a bf16 matmul, every
-row's bits independent of the rows that share its call, and the engine taking it where it should."""
+"""CoSine's matmul kernel (`cosine.engine.kernels`, `csrc/packed_linear.cpp`): the numbers of an fp32 and a bf16
+matmul, every row's bits independent of the rows that share its call, and the engine taking it where it should."""
 
 from __future__ import annotations
 
@@ -16,8 +16,13 @@ from cosine.engine.llama import NativeLlama, Seq
 
 pytestmark = pytest.mark.unit
 
-needs_kernel = pytest.mark.skipif(not kernels.load(), reason="CoSine's bf16 kernel does not run here (no AVX512-BF16 "
-                                                             "on this CPU, or no C++ compiler to build it)")
+CPU = torch.device("cpu")
+needs_kernel = pytest.mark.skipif(not kernels.available(CPU, torch.bfloat16),
+                                  reason="CoSine's bf16 kernel does not run here (no AVX512-BF16 on this CPU, or no C++ "
+                                         "compiler to build it)")
+needs_fp32_kernel = pytest.mark.skipif(not kernels.available(CPU, torch.float32),
+                                       reason="CoSine's fp32 kernel does not run here (no AVX-512, or no C++ compiler)")
+pack, packed_linear = (torch.ops.cosine.pack_weight, torch.ops.cosine.packed_linear)
 
 
 def _bf16(*shape, gen):
@@ -31,13 +36,37 @@ def test_bf16_linear_equals_the_product_rounded_once(n, k):
     the fp32 product (each side rounds once; the sums' order differs)."""
     gen = torch.Generator().manual_seed(n + k)
     w, b, x, r = _bf16(n, k, gen=gen), _bf16(n, gen=gen), _bf16(9, k, gen=gen), _bf16(9, n, gen=gen)
-    wp = torch.ops.cosine.bf16_pack(w)
+    wp = pack(w)
     exact = r.float() + (x.float() @ w.float().T + b.float())
-    got = torch.ops.cosine.bf16_linear(x, wp, b, r).float()
+    got = packed_linear(x, wp, b, r).float()
     ulp = exact.abs().clamp(min=1e-3) * 2.0 ** -7  # one bf16 rounding of the result (8 significant bits)
     assert ((got - exact).abs() <= ulp + 1e-3).all()
     plain = (x.float() @ w.float().T).bfloat16()
-    assert torch.allclose(torch.ops.cosine.bf16_linear(x, wp).float(), plain.float(), rtol=2 ** -7, atol=1e-3)
+    assert torch.allclose(packed_linear(x, wp).float(), plain.float(), rtol=2 ** -7, atol=1e-3)
+
+
+@needs_fp32_kernel
+@pytest.mark.parametrize("n,k", [(960, 576), (48, 37), (16, 1), (64, 1536)])
+def test_fp32_linear_equals_the_product(n, k):
+    """fp32: x @ w.T + bias + residual to fp32 rounding (float64 reference); any K, 1-13 rows (6-row tiles)."""
+    gen = torch.Generator().manual_seed(n + k)
+    w, b, x, r = (torch.randn(*sh, generator=gen) for sh in ((n, k), (n,), (13, k), (13, n)))
+    exact = r.double() + x.double() @ w.double().T + b.double()
+    for m in (1, 6, 13):
+        got = packed_linear(x[:m], pack(w), b, r[:m]).double()
+        assert torch.allclose(got, exact[:m], rtol=1e-5, atol=1e-4 * k ** 0.5), m
+
+
+@needs_fp32_kernel
+def test_fp32_linear_rows_do_not_depend_on_their_call():
+    """Bitwise, fp32: each row of a call of 1-300 rows equals that row multiplied alone."""
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(576, 1536, generator=gen), torch.randn(300, 1536, generator=gen)
+    wp = pack(w)
+    whole = packed_linear(x, wp)
+    assert torch.equal(torch.cat([packed_linear(x[i:i + 1], wp) for i in range(40)]), whole[:40])
+    for lo, m in [(0, 2), (3, 5), (7, 17), (1, 33), (11, 289)]:
+        assert torch.equal(packed_linear(x[lo:lo + m], wp), whole[lo:lo + m]), (lo, m)
 
 
 @needs_kernel
@@ -48,19 +77,23 @@ def test_bf16_linear_rows_do_not_depend_on_their_call(n, k):
     (AVX512-BF16) the target's down projection (576 x 1536) gave 2-4 of 64 rows other bits from 8 rows up."""
     gen = torch.Generator().manual_seed(0)
     w, b = _bf16(n, k, gen=gen), _bf16(n, gen=gen)
-    wp = torch.ops.cosine.bf16_pack(w)
+    wp = pack(w)
     x, r = _bf16(300, k, gen=gen), _bf16(300, n, gen=gen)
-    whole = torch.ops.cosine.bf16_linear(x, wp, b, r)
-    alone = torch.cat([torch.ops.cosine.bf16_linear(x[i:i + 1], wp, b, r[i:i + 1]) for i in range(40)])
+    whole = packed_linear(x, wp, b, r)
+    alone = torch.cat([packed_linear(x[i:i + 1], wp, b, r[i:i + 1]) for i in range(40)])
     assert torch.equal(whole[:40], alone)
     for lo, m in [(0, 2), (3, 5), (7, 17), (1, 33), (11, 289)]:
-        assert torch.equal(torch.ops.cosine.bf16_linear(x[lo:lo + m], wp, b, r[lo:lo + m]), whole[lo:lo + m]), (lo, m)
+        assert torch.equal(packed_linear(x[lo:lo + m], wp, b, r[lo:lo + m]), whole[lo:lo + m]), (lo, m)
 
 
 @needs_kernel
-def test_bf16_pack_refuses_shapes_it_cannot_hold():
+def test_pack_refuses_shapes_it_cannot_hold():
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        torch.ops.cosine.bf16_pack(torch.zeros(24, 8, dtype=torch.bfloat16))
+        pack(torch.zeros(24, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="K even"):
+        pack(torch.zeros(16, 7, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x \\[M, 8\\]"):
+        packed_linear(torch.zeros(2, 6, dtype=torch.bfloat16), pack(torch.zeros(16, 8, dtype=torch.bfloat16)))
 
 
 @needs_kernel
@@ -90,22 +123,26 @@ def test_a_bf16_engine_on_the_kernel_gives_each_row_the_bits_of_the_token_decode
 
 
 @needs_kernel
-def test_auto_takes_the_kernel_in_bf16_only_where_onednn_is_not_row_invariant(tiny_models):
-    """linear="auto": the kernel in bf16 exactly where oneDNN's bf16 matmuls failed the row-invariance check
-    (row_chunk 0), never in fp32; "mkldnn" never."""
+@needs_fp32_kernel
+def test_auto_takes_the_kernel_in_fp32_and_in_bf16_where_onednn_is_not_row_invariant(tiny_models):
+    """linear="auto": the kernel in fp32 wherever it runs, in bf16 exactly where oneDNN's bf16 matmuls failed
+    the row-invariance check (row_chunk 0); "mkldnn" and "torch" never; fp16 has none."""
     auto = NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16)
     onednn = NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16, linear="mkldnn")
     assert auto.kernel == (onednn.packed and onednn.row_chunk == 0)
     assert auto.row_invariant and not onednn.kernel
-    assert not NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.float32).kernel
-    with pytest.raises(RuntimeError, match="bf16 kernel is not available"):
-        NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.float32, linear="kernel")
+    fp32 = NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    assert fp32.kernel and not fp32.packed and fp32.head_plain is None  # no second copy of the weights
+    assert not NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.float32, linear="mkldnn").kernel
+    assert not NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.float32, linear="torch").kernel
+    with pytest.raises(RuntimeError, match="kernel is not available"):
+        NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.float16, linear="kernel")
 
 
 def test_the_layers_compile_and_the_engine_runs_without_the_kernels(tiny_models):
-    """COSINE_KERNELS=0 (as on a machine without a compiler or AVX512-BF16): the ops' schemas alone are
-    defined, TorchScript still compiles the layers, a bf16 engine takes oneDNN, and asking for the kernel
-    says why it cannot have it. A fresh interpreter: the kernels load once per process."""
+    """COSINE_KERNELS=0 (as on a machine without a compiler or AVX-512): the ops' schemas alone are defined,
+    TorchScript still compiles the layers, bf16 and fp32 engines take oneDNN, and asking for the kernel says
+    why it cannot have it. A fresh interpreter: the kernels load once per process."""
     code = (
         "import torch\n"
         "from cosine.engine import kernels, layers\n"
@@ -114,6 +151,7 @@ def test_the_layers_compile_and_the_engine_runs_without_the_kernels(tiny_models)
         "assert isinstance(layers.scripted_decoder_layers, torch.jit.ScriptFunction)\n"
         f"m = NativeLlama.from_pretrained({str(tiny_models['llama'])!r}, dtype=torch.bfloat16)\n"
         "assert not m.kernel\n"
+        f"assert not NativeLlama.from_pretrained({str(tiny_models['llama'])!r}).kernel\n"
         "try:\n"
         f"    NativeLlama.from_pretrained({str(tiny_models['llama'])!r}, dtype=torch.bfloat16, linear='kernel')\n"
         "except RuntimeError as e:\n"

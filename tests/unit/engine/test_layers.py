@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cosine.engine import layers
-from cosine.engine.llama import NativeLlama, Seq
+from cosine.engine.llama import NativeLlama, Seq, _mkldnn_linear_works
 
 pytestmark = pytest.mark.unit
 
@@ -40,9 +40,13 @@ def _passes(vocab: int, rng: random.Random) -> list[list[Seq]]:
 def test_scripted_layers_give_the_python_bits(tiny_models, dtype, small_rows):
     if dtype == torch.bfloat16 and small_rows:
         pytest.skip("few-row plain weights are an fp32 path")
+    # few-row plain weights are oneDNN's companion (linear="mkldnn"); "auto" takes CoSine's kernel where it runs
+    linear = "mkldnn" if small_rows else "auto"
+    if linear == "mkldnn" and not _mkldnn_linear_works(torch.device("cpu"), dtype):
+        pytest.skip("no oneDNN prepacked linear here")
     logits = {}
     for mode in ("script", "python"):
-        model = NativeLlama.from_pretrained(tiny_models["llama"], dtype=dtype, small_rows=small_rows)
+        model = NativeLlama.from_pretrained(tiny_models["llama"], dtype=dtype, small_rows=small_rows, linear=linear)
         if mode == "python":
             model._decoder = layers.decoder_layers
         cache = model.new_cache(8, 128)

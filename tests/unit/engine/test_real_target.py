@@ -43,8 +43,9 @@ def test_real_target_greedy_batch4_trees(target_dir):
 
 
 def test_real_target_fp32_few_row_steps_on_plain_weights_equal_transformers(target_dir):
-    """fp32 steps of at most small_rows rows multiply the plain weights, the LM head's included (MKL's GEMV,
-    not oneDNN's prepacked kernel): one request decoded alone, token by token, stays transformers' greedy."""
+    """fp32 on oneDNN (where CoSine's kernel does not run): steps of at most small_rows rows multiply the plain
+    weights, the LM head's included (MKL's GEMV, not oneDNN's prepacked kernel): one request decoded alone,
+    token by token, stays transformers' greedy."""
     from transformers import AutoTokenizer
 
     from cosine.engine.llama import NativeLlama
@@ -54,7 +55,7 @@ def test_real_target_fp32_few_row_steps_on_plain_weights_equal_transformers(targ
     try:
         tok = AutoTokenizer.from_pretrained(str(target_dir))
         hf = load_causal_lm(target_dir)
-        model = NativeLlama.from_pretrained(target_dir, dtype="float32", small_rows=2)
+        model = NativeLlama.from_pretrained(target_dir, dtype="float32", small_rows=2, linear="mkldnn")
         assert model.head_plain is not None and model.head_small_rows == 2
         target = NativeTarget(model, 256, 1)
         for text in ["The capital of France is", "def fibonacci(n):\n    ", "1, 2, 3, 5, 8, 13,"]:
