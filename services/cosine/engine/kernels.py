@@ -4,12 +4,14 @@
 `torch.ops.cosine.pack_weight(w)`): an fp32 (AVX-512) or bf16 (AVX512-BF16) matmul whose every row has the
 same bits whatever rows share its call, and on an AMD EPYC faster than oneDNN's at 1-300 rows (see
 `csrc/packed_linear.cpp`). `NativeLlama` multiplies with it in fp32 wherever it runs, and in bf16 where
-oneDNN's bf16 matmuls are not row-invariant (on CPUs with AMX oneDNN's are, and faster for many rows).
+oneDNN's bf16 matmuls are not row-invariant (on an Intel Xeon with AMX they were, and use AMX tiles, which
+this kernel does not).
 
-The build (some seconds with g++ and ninja) goes to ``$COSINE_CACHE/kernels/<torch>-<hash>/`` and is reused
-by every later process; `scripts/install.sh` runs it (`python -m cosine.engine.kernels`). Where it cannot
-be built (no C++ compiler, no ninja) or the CPU lacks AVX512-BF16, the ops' schemas are still defined, so
-that TorchScript compiles the layers that name them, and the engine keeps oneDNN: `available()` says which.
+The build (some seconds with g++ and ninja) goes to ``$COSINE_CACHE/kernels/<torch>-<hash>/`` (or
+``$COSINE_KERNELS_DIR/<torch>-<hash>/``: the image builds it there) and is reused by every later process;
+`scripts/install.sh` runs it (`python -m cosine.engine.kernels`). Where it cannot be built (no C++
+compiler, no ninja) or the CPU lacks AVX-512, the ops' schemas are still defined, so that TorchScript
+compiles the layers that name them, and the engine keeps oneDNN: `available()` says which.
 `COSINE_KERNELS=0` turns them off.
 """
 
@@ -37,11 +39,13 @@ _schemas_only = None  # keeps the schema-only library alive when the build is mi
 
 
 def build_dir() -> Path:
-    """Where this source, these flags and this torch build their library."""
+    """Where this source, these flags and this torch build their library: under $COSINE_KERNELS_DIR (the
+    image sets it: built at image build time), else $COSINE_CACHE/kernels."""
     from cosine.zoo.registry import cache_root
 
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode())
-    return cache_root() / "kernels" / f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:12]}"
+    root = Path(os.environ["COSINE_KERNELS_DIR"]) if os.environ.get("COSINE_KERNELS_DIR") else cache_root() / "kernels"
+    return root / f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:12]}"
 
 
 def build() -> None:

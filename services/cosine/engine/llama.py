@@ -200,7 +200,7 @@ class NativeLlama:
         # packed for it. Row-invariant by construction, and on an AMD EPYC faster than oneDNN at 1-300 rows
         # (the target's layers, 2 threads: fp32 one row 10.3 against 12.4 ms, 17 rows 15.3 against 16.3).
         # "auto" takes it in fp32 wherever it runs, and in bf16 where oneDNN's bf16 matmuls are not row-
-        # invariant (row_chunk below is 0; with AMX oneDNN's are, and faster for many rows).
+        # invariant (row_chunk below is 0; on an Intel Xeon with AMX they were, and use AMX tiles, which it does not).
         kernel_shapes = [(spec.hidden_size, spec.vocab_size), (spec.hidden_size, spec.hidden_size),  # (in, out)
                          (spec.hidden_size, (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim),
                          (spec.hidden_size, 2 * spec.intermediate_size), (spec.intermediate_size, spec.hidden_size)]
