@@ -36,14 +36,16 @@ def main() -> None:
     onednn_pack, onednn = torch.ops.mkldnn._reorder_linear_weight, torch.ops.mkldnn._linear_pointwise
     print(f"the target's {LAYERS * len(SHAPES)} layer matmuls, {args.threads} threads, wall ms (median of "
           f"{args.rounds} x {args.repeats}); row-invariant: every row of the call equals it alone, bitwise")
-    print(f"{'dtype':9} {'rows':>4} {'oneDNN':>8} {'kernel':>8} {'kernel/oneDNN':>13} {'row-invariant (oneDNN, kernel)':>31}")
+    header = f"{'dtype':9} {'rows':>4} {'oneDNN':>8} {'kernel':>8} {'kernel/oneDNN':>13}"
+    print(f"{header} {'row-invariant (oneDNN, kernel)':>31}")
     for name in args.dtypes:
         dt = getattr(torch, name)
         if not kernels.available(torch.device("cpu"), dt):
             print(f"{name:9} the kernel does not run here in {name}")
             continue
         gen = torch.Generator().manual_seed(0)
-        plain = {k: [(torch.randn(*s, generator=gen) * 0.02).to(dt) for _ in range(LAYERS)] for k, s in SHAPES.items()}
+        plain = {k: [(torch.randn(*s, generator=gen) * 0.02).to(dt) for _ in range(LAYERS)]
+                 for k, s in SHAPES.items()}
         packed_onednn = {k: [onednn_pack(w, 16) for w in ws] for k, ws in plain.items()}
         packed_kernel = {k: [torch.ops.cosine.pack_weight(w) for w in ws] for k, ws in plain.items()}
         for m in args.rows:

@@ -181,7 +181,8 @@ def decoder_layers(
     half = hd // 2
     for li in range(len(ln1)):
         h = rms(x, ln1[li], eps)
-        qkv = linear(h, qkv_w[li], qkv_b[li], qkv_p[li], small_rows, packed, chunk, calls, kernel)  # [N, (nh + 2 nkv) hd]
+        # [N, (nh + 2 nkv) hd]
+        qkv = linear(h, qkv_w[li], qkv_b[li], qkv_p[li], small_rows, packed, chunk, calls, kernel)
         qk = qkv[:, : qsz + kvsz].view(N, nh + nkv, hd)
         qk = torch.addcmul(qk * cos, torch.roll(qk, half, dims=[-1]), sin)
         k_new = qk[:, nh:]

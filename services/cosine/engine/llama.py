@@ -188,9 +188,9 @@ class NativeLlama:
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
-        # linear: "auto" (oneDNN prepacked weights on CPU where they work: about 2x faster small-batch
-        # fp32 GEMMs than F.linear on an AMD EPYC; in bf16 CoSine's kernel where oneDNN's matmuls are not
-        # row-invariant, see below), "kernel" (CoSine's bf16 kernel, required), "mkldnn" or "torch" (F.linear).
+        # linear: "auto" (CoSine's kernel where it runs and pays, see below; else oneDNN's prepacked weights on
+        # CPU where they work: about 2x faster small-batch fp32 GEMMs than F.linear on an AMD EPYC), "kernel"
+        # (CoSine's kernel, required), "mkldnn" (oneDNN, never the kernel) or "torch" (F.linear).
         if linear not in ("auto", "kernel", "mkldnn", "torch"):
             raise ValueError(f"linear must be auto, kernel, mkldnn or torch, got {linear!r}")
         self.packed = linear != "torch" and _mkldnn_linear_works(self.device, dtype)
@@ -198,9 +198,10 @@ class NativeLlama:
             raise RuntimeError("oneDNN prepacked linear layers are not available here")
         # kernel: every matmul is CoSine's kernel (`kernels`: fp32 on AVX-512, bf16 on AVX512-BF16) on weights
         # packed for it. Row-invariant by construction, and on an AMD EPYC faster than oneDNN at 1-300 rows
-        # (the target's layers, 2 threads: fp32 one row 10.3 against 12.4 ms, 17 rows 15.3 against 16.3).
-        # "auto" takes it in fp32 wherever it runs, and in bf16 where oneDNN's bf16 matmuls are not row-
-        # invariant (row_chunk below is 0; on an Intel Xeon with AMX they were, and use AMX tiles, which it does not).
+        # (tools/measure_kernel_vs_onednn.py, the target's layers, 2 threads: fp32 1 row 9.9 against 10.8 ms,
+        # 64 rows 36.6 against 42.9). "auto" takes it in fp32 wherever it runs, and in bf16 where oneDNN's bf16
+        # matmuls are not row-invariant (row_chunk below is 0; on an Intel Xeon with AMX they were, and use AMX
+        # tiles, which the kernel does not).
         kernel_shapes = [(spec.hidden_size, spec.vocab_size), (spec.hidden_size, spec.hidden_size),  # (in, out)
                          (spec.hidden_size, (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim),
                          (spec.hidden_size, 2 * spec.intermediate_size), (spec.intermediate_size, spec.hidden_size)]
@@ -208,7 +209,8 @@ class NativeLlama:
                       and all(n % 16 == 0 and (k % 2 == 0 or dtype == torch.float32) for k, n in kernel_shapes))
         if linear == "kernel" and not may_kernel:
             raise RuntimeError("CoSine's kernel is not available here (fp32 on a CPU with AVX-512 or bf16 with "
-                               "AVX512-BF16, the kernels built, every weight's rows a multiple of 16, bf16 columns even)")
+                               "AVX512-BF16, the kernels built, every weight's rows a multiple of 16, bf16 columns "
+                               "even)")
         self.kernel = may_kernel and (dtype == torch.float32 or linear == "kernel")
         if self.kernel:
             self.packed = False
@@ -336,7 +338,7 @@ class NativeLlama:
     def row_invariant(self) -> bool:
         """Does a row get the same logits whatever rows share its step? (fp32: to its last bits only
         nearly; measured lossless against transformers. bf16/fp16: exactly, where row_chunk > 0 or on CoSine's
-        bf16 kernel.)"""
+        kernel.)"""
         return self.dtype == torch.float32 or self.exact
 
     @torch.inference_mode()

@@ -18,10 +18,11 @@ pytestmark = pytest.mark.unit
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(not kernels.available(CPU, torch.bfloat16),
-                                  reason="CoSine's bf16 kernel does not run here (no AVX512-BF16 on this CPU, or no C++ "
-                                         "compiler to build it)")
+                                  reason="CoSine's bf16 kernel does not run here (no AVX512-BF16 on this CPU, or "
+                                         "no C++ compiler to build it)")
 needs_fp32_kernel = pytest.mark.skipif(not kernels.available(CPU, torch.float32),
-                                       reason="CoSine's fp32 kernel does not run here (no AVX-512, or no C++ compiler)")
+                                       reason="CoSine's fp32 kernel does not run here (no AVX-512, or no C++ "
+                                              "compiler)")
 pack, packed_linear = (torch.ops.cosine.pack_weight, torch.ops.cosine.packed_linear)
 
 
@@ -112,8 +113,8 @@ def test_a_bf16_engine_on_the_kernel_gives_each_row_the_bits_of_the_token_decode
         new = [[rng.randrange(vocab) for _ in range(n_rows)] for _ in range(4)]
         cache = model.new_cache(4, 96)
         model.forward([Seq(i, c, list(range(len(c))), logits="none") for i, c in enumerate(ctxs)], cache)
-        step = model.forward([Seq(i, t, list(range(len(c), len(c) + n_rows))) for i, (c, t) in enumerate(zip(ctxs, new))],
-                             cache)
+        step = model.forward([Seq(i, t, list(range(len(c), len(c) + n_rows)))
+                              for i, (c, t) in enumerate(zip(ctxs, new))], cache)
         for i, c in enumerate(ctxs):
             cache.truncate(i, len(c))
         for j in range(n_rows):
