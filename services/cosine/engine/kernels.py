@@ -53,6 +53,12 @@ def build() -> None:
     processes that build at once)."""
     from torch.utils import cpp_extension
 
+    try:  # the ninja wheel's binary, wherever pip put its scripts (a --user install's bin may not be on PATH)
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except (ImportError, AttributeError):
+        pass
     out = build_dir()
     out.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(name=NAME, sources=[str(p) for p in SOURCES], build_directory=str(out),
