@@ -57,3 +57,26 @@ def speculative_greedy(target, prompts: dict[str, list[int]], refs: dict[str, li
         for (rid, _, _), out in zip(items, target.verify_batch(items)):
             produced[rid].extend(out.token_ids)
     return {rid: toks[:n_new] for rid, toks in produced.items()}
+
+
+def rows_differing_from_alone(model, rng: random.Random, row_counts, context: tuple[int, int],
+                              cache_len: int) -> list[tuple[int, int, int]]:
+    """(n_rows, request, row) of every row of a 4-request step of n_rows new tokens whose logits differ, bitwise,
+    from the same token decoded alone (one token per request per step) after the same context."""
+    from cosine.engine.llama import Seq
+
+    vocab = model.spec.vocab_size
+    differing = []
+    for n_rows in row_counts:
+        ctxs = [[rng.randrange(vocab) for _ in range(rng.randint(*context))] for _ in range(4)]
+        new = [[rng.randrange(vocab) for _ in range(n_rows)] for _ in range(4)]
+        cache = model.new_cache(4, cache_len)
+        model.forward([Seq(i, c, list(range(len(c))), logits="none") for i, c in enumerate(ctxs)], cache)
+        step = model.forward([Seq(i, t, list(range(len(c), len(c) + n_rows)), logits="all")
+                              for i, (c, t) in enumerate(zip(ctxs, new))], cache)
+        for i, c in enumerate(ctxs):
+            cache.truncate(i, len(c))
+        for j in range(n_rows):
+            alone = model.forward([Seq(i, [new[i][j]], [len(c) + j]) for i, c in enumerate(ctxs)], cache)
+            differing += [(n_rows, i, j) for i in range(4) if not torch.equal(alone[i][0], step[i][j])]
+    return differing

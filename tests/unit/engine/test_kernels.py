@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from cosine.engine import kernels, layers
-from cosine.engine.llama import NativeLlama, Seq
+from cosine.engine.llama import NativeLlama
+
+from .helpers import rows_differing_from_alone
 
 pytestmark = pytest.mark.unit
 
@@ -105,22 +107,7 @@ def test_a_bf16_engine_on_the_kernel_gives_each_row_the_bits_of_the_token_decode
     is verified with plain decoding's numbers."""
     model = NativeLlama.from_pretrained(tiny_models[name], dtype=torch.bfloat16, linear="kernel")
     assert model.kernel and not model.packed and model.row_invariant
-    rng = random.Random(1)
-    vocab = model.spec.vocab_size
-    differing = []
-    for n_rows in (3, 17, 33):
-        ctxs = [[rng.randrange(vocab) for _ in range(rng.randint(4, 30))] for _ in range(4)]
-        new = [[rng.randrange(vocab) for _ in range(n_rows)] for _ in range(4)]
-        cache = model.new_cache(4, 96)
-        model.forward([Seq(i, c, list(range(len(c))), logits="none") for i, c in enumerate(ctxs)], cache)
-        step = model.forward([Seq(i, t, list(range(len(c), len(c) + n_rows)))
-                              for i, (c, t) in enumerate(zip(ctxs, new))], cache)
-        for i, c in enumerate(ctxs):
-            cache.truncate(i, len(c))
-        for j in range(n_rows):
-            alone = model.forward([Seq(i, [new[i][j]], [len(c) + j]) for i, c in enumerate(ctxs)], cache)
-            differing += [(n_rows, i, j) for i in range(4) if not torch.equal(alone[i][0], step[i][j])]
-    assert differing == []
+    assert rows_differing_from_alone(model, random.Random(1), (3, 17, 33), (4, 30), 96) == []
 
 
 @needs_kernel

@@ -12,7 +12,7 @@ from cosine.engine.native_target import NativeTarget
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
 
-from .helpers import hf_greedy, speculative_greedy
+from .helpers import hf_greedy, rows_differing_from_alone, speculative_greedy
 
 pytestmark = pytest.mark.e2e
 
@@ -138,25 +138,7 @@ def test_real_target_bf16_rows_do_not_depend_on_their_step(bf16_model):
     """bf16 on a CPU, bitwise: each row of a many-row step (4 requests x 11, 17 or 33 new tokens: SDPA's
     query blocks, matmuls of more than 32 rows) has the logits of the same token decoded alone, one token
     per request per step. Without each token as its own attention problem, 79 of 244 rows differed."""
-    from cosine.engine.llama import Seq
-
-    model = bf16_model
-    rng = random.Random(0)
-    vocab = model.spec.vocab_size
-    differing = []
-    for n_rows in (11, 17, 33):
-        ctxs = [[rng.randrange(vocab) for _ in range(rng.randint(8, 40))] for _ in range(4)]
-        new = [[rng.randrange(vocab) for _ in range(n_rows)] for _ in range(4)]
-        cache = model.new_cache(4, 128)
-        model.forward([Seq(i, c, list(range(len(c))), logits="none") for i, c in enumerate(ctxs)], cache)
-        step = model.forward([Seq(i, t, list(range(len(c), len(c) + n_rows)), logits="all")
-                              for i, (c, t) in enumerate(zip(ctxs, new))], cache)
-        for i, c in enumerate(ctxs):
-            cache.truncate(i, len(c))
-        for j in range(n_rows):
-            alone = model.forward([Seq(i, [new[i][j]], [len(c) + j]) for i, c in enumerate(ctxs)], cache)
-            differing += [(n_rows, i, j) for i in range(4) if not torch.equal(alone[i][0], step[i][j])]
-    assert differing == []
+    assert rows_differing_from_alone(bf16_model, random.Random(0), (11, 17, 33), (8, 40), 128) == []
 
 
 def test_real_target_bf16_prompt_prefill_does_not_depend_on_its_company(bf16_model):
