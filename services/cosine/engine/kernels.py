@@ -29,12 +29,14 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "cosine_kernels"
-SOURCES = [Path(__file__).parent / "csrc" / "packed_linear.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_linear.cpp", "attention_rows.cpp")]
 # -fopenmp: at::parallel_for's OpenMP backend is inline in ATen's headers (without it: one thread)
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 SCHEMAS = ["kernel_supported(ScalarType dtype) -> bool", "pack_weight(Tensor w) -> Tensor",
-           "packed_linear(Tensor x, Tensor wp, Tensor? bias=None, Tensor? residual=None) -> Tensor"]
+           "packed_linear(Tensor x, Tensor wp, Tensor? bias=None, Tensor? residual=None) -> Tensor",
+           "attention_rows(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor prefix, Tensor offsets, Tensor index, "
+           "float scale) -> Tensor"]
 _schemas_only = None  # keeps the schema-only library alive when the build is missing
 
 

@@ -172,6 +172,7 @@ def decoder_layers(
     slot_index: Optional[torch.Tensor], per_row: bool,
     each: Optional[List[Tuple[int, int, int, int, torch.Tensor]]],
     calls: Optional[List[Tuple[int, int, bool]]],
+    row_keys: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = None,
 ) -> torch.Tensor:
     """Every decoder layer over the pass's N new rows x [N, H]; writes each row's K/V at kv_index of the
     cache [layers, slots, nkv, max_len, hd] viewed per layer as [slots * nkv * max_len, hd]."""
@@ -191,7 +192,9 @@ def decoder_layers(
         kl.view(-1, hd).index_copy_(0, kv_index, k_new.reshape(N * nkv, hd))
         vl.view(-1, hd).index_copy_(0, kv_index, v_new.reshape(N * nkv, hd))
         qh = qk[:, :nh]  # [N, nh, hd]
-        if each is not None:
+        if row_keys is not None:  # CoSine's kernel: each row over the keys it sees, in their logical order
+            o = torch.ops.cosine.attention_rows(qh, kl, vl, row_keys[0], row_keys[1], row_keys[2], row_keys[3], scale)
+        elif each is not None:
             o = attend_each(qh, kl, vl, each, nh, nkv, hd, scale)
         else:
             o = attend(qh, kl, vl, bias, nh, nkv, hd, R, T, dense, row_t, use_view, lo, hi, L, slot_index, per_row,

@@ -184,7 +184,8 @@ class NativeLlama:
 
     def __init__(self, spec: LlamaSpec, state: dict[str, torch.Tensor], config=None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, max_positions: int | None = None,
-                 linear: str = "auto", small_rows: int | None = None, exact_rows: bool = True):
+                 linear: str = "auto", small_rows: int | None = None, exact_rows: bool = True,
+                 attention: str = "auto"):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
@@ -212,6 +213,20 @@ class NativeLlama:
                                "AVX512-BF16, the kernels built, every weight's rows a multiple of 16, bf16 columns "
                                "even)")
         self.kernel = may_kernel and (dtype == torch.float32 or linear == "kernel")
+        # attention: "auto" (CoSine's `attention_rows` for every step that is not a prompt's prefill, where it
+        # runs: a row's bits depend on the keys it sees in their logical order alone, so a draft tree's node
+        # gets what plain decoding gives it, and it is cheaper than SDPA at a step's shapes), "kernel"
+        # (required) or "sdpa" (PyTorch's, never the kernel).
+        if attention not in ("auto", "kernel", "sdpa"):
+            raise ValueError(f"attention must be auto, kernel or sdpa, got {attention!r}")
+        may_attend = (attention != "sdpa" and kernels.available(self.device, dtype) and spec.head_dim % 16 == 0
+                      and spec.head_dim <= 256 and spec.n_heads % spec.n_kv_heads == 0
+                      and spec.n_heads // spec.n_kv_heads <= 16)
+        if attention == "kernel" and not may_attend:
+            raise RuntimeError("CoSine's attention kernel is not available here (fp32 on a CPU with AVX-512 or bf16 "
+                               "with AVX512-BF16, the kernels built, head_dim a multiple of 16 up to 256, at most "
+                               "16 query heads per kv head)")
+        self.attention_kernel = may_attend
         if self.kernel:
             self.packed = False
         # bf16 under "auto": oneDNN's packing now, the kernel's after the check below if it fails
@@ -406,7 +421,8 @@ class NativeLlama:
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                         max_positions: int | None = None, linear: str = "auto",
-                        small_rows: int | None = None, exact_rows: bool = True) -> "NativeLlama":
+                        small_rows: int | None = None, exact_rows: bool = True,
+                        attention: str = "auto") -> "NativeLlama":
         from transformers import AutoConfig
 
         path = Path(path)
@@ -419,7 +435,7 @@ class NativeLlama:
             dtype = resolve_dtype(dtype, device)
         spec = spec_from_config(config)
         return cls(spec, _load_state_dict(path), config, device=device, dtype=dtype, max_positions=max_positions,
-                   linear=linear, small_rows=small_rows, exact_rows=exact_rows)
+                   linear=linear, small_rows=small_rows, exact_rows=exact_rows, attention=attention)
 
     @staticmethod
     def supports(path: str | Path) -> bool:
@@ -493,8 +509,13 @@ class NativeLlama:
         slots = [q.slot for q in batch]
         if len(set(slots)) != B:
             raise ValueError("a slot appears twice in one batch")
-        for q in batch:
-            cache.expose(q.slot, L)
+        # CoSine's attention kernel for every pass but a prefill of prompts (there SDPA's blocked attention
+        # over many rows is cheaper, and a prompt's rows need only depend on the prompt): each row over the keys
+        # it sees, in logical order, read where they are stored; nothing past them is read.
+        use_rows = self.attention_kernel and not all(q.prompt and q.parents is None for q in batch)
+        if not use_rows:
+            for q in batch:
+                cache.expose(q.slot, L)
 
         # Attention rows: a contiguous range of slots, viewed in place (no gather of the cache).
         lo, hi = min(slots), max(slots)
@@ -531,45 +552,51 @@ class NativeLlama:
         dense = use_view and R == B and N == R * T and rows == list(range(B))
         row_t = None if dense else torch.tensor(flat_row, device=dev)
 
-        # Mask [R, 1, T, L]: keys < start are the cached prefix; new keys by causality or tree ancestry.
-        starts_r = [0] * R
-        for st, r in zip(starts, rows):
-            starts_r[r] = st
-        st_t = torch.tensor(starts_r, device=dev)
-        key = torch.arange(L, device=dev)
-        qpos = st_t[:, None] + torch.arange(T, device=dev)[None, :]  # storage index of each query row
-        mask = key[None, None, :] <= qpos[:, :, None]  # causal, [R, T, L]
-        for q, st, n, r in zip(batch, starts, lengths, rows):
-            if q.parents is not None:
-                mask[r, :n, st:st + n] = ancestor_mask(tuple(q.parents)).to(dev)
-        # Row-invariant attention (with row_chunk, a step of several rows per request): each new token is its
-        # own attention problem over its request's keys (the rows as query heads of grouped-query attention:
-        # no copy of the keys), exactly the shape of a one-token step, so SDPA computes the same numbers for it
-        # whichever rows share the step. SDPA's kernel for several query rows of a request picks its blocking
-        # and GEMM path from the shape, which changes a row's last bits.
-        # A prefill of prompts only needs each request's rows to depend on that request alone, not to equal
-        # decoding: one attention problem per request, shaped by its own rows and keys (`each`), is that,
-        # and cheaper than a problem per row (16 real-target prompts, 770 tokens: 465 -> 348-396 ms in bf16).
+        row_keys = self._row_keys(batch, starts, lengths) if use_rows else None
         each = None
-        if self.exact and T > 1 and all(q.prompt and q.parents is None for q in batch):
-            each = []
-            off = 0
-            for q, st, n in zip(batch, starts, lengths):
-                Lq = min(whole_key_blocks(st + n), cache.max_len)
-                visible = key[None, :Lq] <= (st + torch.arange(n, device=dev))[:, None]  # [n, Lq], causal
-                b = torch.zeros((n, Lq), dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
-                each.append((off, n, q.slot, Lq, b[None].expand(nrep, n, Lq).reshape(1, 1, nrep * n, Lq)))
-                off += n
-        calls = self._prompt_calls(lengths) if each is not None else None
-        per_row = self.exact and T > 1 and each is None
-        if each is not None:
-            bias = None
-        elif per_row:  # [R, nkv * T, 1, L]: query head (kv head, row) sees its row's keys
-            bias = torch.zeros((R, T, L), dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
-            bias = bias[:, None, :, None, :].expand(R, nkv, T, 1, L).reshape(R, nkv * T, 1, L)
-        else:
-            mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
-            bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+        calls = None
+        per_row = False
+        bias = None
+        if row_keys is None:
+            # Mask [R, 1, T, L]: keys < start are the cached prefix; new keys by causality or tree ancestry.
+            starts_r = [0] * R
+            for st, r in zip(starts, rows):
+                starts_r[r] = st
+            st_t = torch.tensor(starts_r, device=dev)
+            key = torch.arange(L, device=dev)
+            qpos = st_t[:, None] + torch.arange(T, device=dev)[None, :]  # storage index of each query row
+            mask = key[None, None, :] <= qpos[:, :, None]  # causal, [R, T, L]
+            for q, st, n, r in zip(batch, starts, lengths, rows):
+                if q.parents is not None:
+                    mask[r, :n, st:st + n] = ancestor_mask(tuple(q.parents)).to(dev)
+            # Row-invariant attention (with row_chunk, a step of several rows per request): each new token is its
+            # own attention problem over its request's keys (the rows as query heads of grouped-query attention:
+            # no copy of the keys), exactly the shape of a one-token step, so SDPA computes the same numbers for it
+            # whichever rows share the step. SDPA's kernel for several query rows of a request picks its blocking
+            # and GEMM path from the shape, which changes a row's last bits.
+            # A prefill of prompts only needs each request's rows to depend on that request alone, not to equal
+            # decoding: one attention problem per request, shaped by its own rows and keys (`each`), is that,
+            # and cheaper than a problem per row (16 real-target prompts, 770 tokens: 465 -> 348-396 ms in bf16).
+            each = None
+            if self.exact and T > 1 and all(q.prompt and q.parents is None for q in batch):
+                each = []
+                off = 0
+                for q, st, n in zip(batch, starts, lengths):
+                    Lq = min(whole_key_blocks(st + n), cache.max_len)
+                    visible = key[None, :Lq] <= (st + torch.arange(n, device=dev))[:, None]  # [n, Lq], causal
+                    b = torch.zeros((n, Lq), dtype=self.dtype, device=dev).masked_fill_(~visible, float("-inf"))
+                    each.append((off, n, q.slot, Lq, b[None].expand(nrep, n, Lq).reshape(1, 1, nrep * n, Lq)))
+                    off += n
+            calls = self._prompt_calls(lengths) if each is not None else None
+            per_row = self.exact and T > 1 and each is None
+            if each is not None:
+                bias = None
+            elif per_row:  # [R, nkv * T, 1, L]: query head (kv head, row) sees its row's keys
+                bias = torch.zeros((R, T, L), dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
+                bias = bias[:, None, :, None, :].expand(R, nkv, T, 1, L).reshape(R, nkv * T, 1, L)
+            else:
+                mask = mask[:, None].expand(R, nrep, T, L).reshape(R, 1, nrep * T, L)
+                bias = torch.zeros(mask.shape, dtype=self.dtype, device=dev).masked_fill_(~mask, float("-inf"))
 
         # Row of each new token's (kv head) in a layer's cache viewed as [slots * nkv * max_len, hd].
         kv_index = ((slot_t[:, None] * nkv + torch.arange(nkv, device=dev)[None, :]) * cache.max_len
@@ -581,7 +608,7 @@ class NativeLlama:
         args = (x, *self._weights, cache.k, cache.v, cos, sin, kv_index, bias, nh, nkv, hd, s.intermediate_size,
                 s.rms_norm_eps, self.scale, self.small_rows, self.packed, self.row_chunk, self.kernel, R, T, dense,
                 row_t, use_view,
-                lo, hi, L, slot_index, per_row, each, calls)
+                lo, hi, L, slot_index, per_row, each, calls, row_keys)
         if self.sdpa_backends is not None:
             from torch.nn.attention import sdpa_kernel
 
@@ -590,6 +617,35 @@ class NativeLlama:
         else:
             x = self._decoder(*args)
         return self._finish(x, batch, cache, starts, lengths, N)
+
+    def _row_keys(self, batch: list[Seq], starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, ...]:
+        """The keys each new row sees, for `attention_rows`: (slot, prefix, offsets, index). A row sees the
+        first `prefix` positions of its slot's cache, then the positions index[offsets[n]:offsets[n + 1]], in
+        that order: a causal row the committed tokens and the step's rows up to itself (all a prefix); a tree
+        node the committed tokens, then its ancestors root first, then itself, wherever they are stored: the
+        sequence plain decoding of the same tokens attends over."""
+        slot_l: list[int] = []
+        prefix_l: list[int] = []
+        offsets_l = [0]
+        index_l: list[int] = []
+        for q, st, n in zip(batch, starts, lengths):
+            slot_l.extend([q.slot] * n)
+            if q.parents is None:
+                prefix_l.extend(range(st + 1, st + n + 1))
+                offsets_l.extend([offsets_l[-1]] * n)
+                continue
+            paths: list[list[int]] = []
+            for i, par in enumerate(q.parents):
+                if not -1 <= par < i:
+                    raise ValueError(f"node {i} has parent {par}: parents must come first")
+                path = (paths[par] if par >= 0 else []) + [st + i]
+                paths.append(path)
+                prefix_l.append(st)
+                index_l.extend(path)
+                offsets_l.append(len(index_l))
+        dev = self.device
+        return (torch.tensor(slot_l, device=dev), torch.tensor(prefix_l, device=dev),
+                torch.tensor(offsets_l, device=dev), torch.tensor(index_l, dtype=torch.long, device=dev))
 
     @staticmethod
     def _prompt_calls(lengths: list[int]) -> list[tuple[int, int, bool]] | None:

@@ -51,13 +51,16 @@ class NativeTarget:
             raise ValueError(f"max_context {self.max_context} beyond the model's {model.max_positions} positions")
         self.cache = model.new_cache(n_slots, self.max_context)
         self._reqs: dict[str, _Request] = {}
-        # A tree step gives a node the same logits as plain decoding would only where its ancestors sit at
-        # the cache positions plain decoding gives them: on the tree's main chain (drafted first, so stored
-        # contiguously). Off it the attention sums the same terms at other positions, in another order. fp32
-        # absorbs that (speculative == plain on the real target), bf16 on a CPU does not: there a tree is
-        # verified along its main chain only, which accepts as many tokens per round for greedy decoding and
-        # for sampling alike (a sibling's token is the one the bonus would be). CUDA is left as it was.
-        self.verifies_trees = model.dtype == torch.float32 or model.device.type != "cpu"
+        # With SDPA, a tree step gives a node the same logits as plain decoding would only where its ancestors
+        # sit at the cache positions plain decoding gives them: on the tree's main chain (drafted first, so
+        # stored contiguously). Off it the attention sums the same terms at other positions, in another order.
+        # fp32 absorbs that (speculative == plain on the real target), bf16 on a CPU does not: there, without
+        # CoSine's attention kernel, a tree is verified along its main chain only, which accepts as many tokens
+        # per round for greedy decoding and for sampling alike (a sibling's token is the one the bonus would
+        # be). The kernel reads each node's keys in the order plain decoding has them: the whole tree is exact.
+        # CUDA is left as it was.
+        self.verifies_trees = (model.dtype == torch.float32 or model.device.type != "cpu"
+                               or model.attention_kernel)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str = "auto",

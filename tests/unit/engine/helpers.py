@@ -80,3 +80,40 @@ def rows_differing_from_alone(model, rng: random.Random, row_counts, context: tu
             alone = model.forward([Seq(i, [new[i][j]], [len(c) + j]) for i, c in enumerate(ctxs)], cache)
             differing += [(n_rows, i, j) for i in range(4) if not torch.equal(alone[i][0], step[i][j])]
     return differing
+
+
+def tree_nodes_differing_from_plain(model, rng: random.Random, context_lengths: tuple[int, ...], trials: int = 1,
+                                    nodes: int = 12) -> list[tuple[int, int, int]]:
+    """(trial, request, node) of every node of random `nodes`-node trees (one request per context length, all in
+    one step; parents drawn at random, so most nodes sit off the main chain) whose logits differ, bitwise, from
+    plain decoding of the same token after the same path, one token per step."""
+    from cosine.engine.llama import Seq
+
+    vocab = model.spec.vocab_size
+    cache_len = max(context_lengths) + nodes + 8
+    differing = []
+    for trial in range(trials):
+        ctxs = [[rng.randrange(vocab) for _ in range(n)] for n in context_lengths]
+        trees = []  # row 0: the last committed token; nodes under it or under earlier nodes
+        for c in ctxs:
+            parents = [-1] + [rng.randrange(0, i) for i in range(1, nodes)]
+            trees.append(([c[-1]] + [rng.randrange(vocab) for _ in parents[1:]], parents))
+        cache = model.new_cache(len(ctxs), cache_len)
+        model.forward([Seq(i, c[:-1], list(range(len(c) - 1)), logits="none") for i, c in enumerate(ctxs)], cache)
+        paths = []
+        for toks, parents in trees:
+            paths.append([])
+            for node, par in enumerate(parents):
+                paths[-1].append((paths[-1][par] if par >= 0 else []) + [node])
+        batch = [Seq(i, toks, [len(c) - 2 + len(p) for p in ps], parents)
+                 for i, (c, (toks, parents), ps) in enumerate(zip(ctxs, trees, paths))]
+        tree_logits = model.forward(batch, cache)
+        for i, (c, (toks, _), ps) in enumerate(zip(ctxs, trees, paths)):
+            for node, path in enumerate(ps):
+                plain = model.new_cache(1, cache_len)
+                model.forward([Seq(0, c[:-1], list(range(len(c) - 1)), logits="none")], plain)
+                for j, k in enumerate(path):
+                    out = model.forward([Seq(0, [toks[k]], [len(c) - 1 + j])], plain)[0]
+                if not torch.equal(out[0], tree_logits[i][node]):
+                    differing.append((trial, i, node))
+    return differing

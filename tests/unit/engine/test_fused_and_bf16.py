@@ -17,6 +17,8 @@ from cosine.engine.tree import DraftTree
 from .helpers import hf_greedy
 
 pytestmark = pytest.mark.unit
+needs_kernel_bf16 = pytest.mark.skipif(not kernels.available(torch.device("cpu"), torch.bfloat16),
+                                       reason="CoSine's kernels need AVX512-BF16 and a C++ compiler")
 
 N_NEW = 10
 
@@ -105,26 +107,39 @@ def test_services_dtype_reaches_the_native_engine(tiny_models, tiny_dirs):
     assert drafter.model.dtype == torch.bfloat16
 
 
-def test_bf16_on_cpu_verifies_a_tree_along_its_main_chain(tiny_models):
-    """Off the main chain a node's ancestors sit at other cache positions than plain decoding gives them
-    (bf16 rounds the different order into different tokens): bf16 on a CPU verifies the main chain only,
-    fp32 the whole tree. A tree whose target path runs off the main chain commits as a chain would."""
-    fp32 = NativeTarget.from_pretrained(tiny_models["llama"], n_slots=1, max_context=64)
-    bf16 = NativeTarget.from_pretrained(tiny_models["llama"], dtype="bfloat16", n_slots=1, max_context=64)
-    assert fp32.verifies_trees and not bf16.verifies_trees
+def _side_branch_round(target: NativeTarget) -> tuple[int, object]:
+    """A round whose target path runs off the tree's main chain: the target's token on a side branch (node 1),
+    the main chain (node 0) wrong. Returns (the target's token, the outcome)."""
     prompt = [5, 17, 3, 9]
-    bf16.open("r", prompt, len(prompt))
-    first = bf16.verify("r", DraftTree(), Sampling()).token_ids[0]
-    bf16.truncate("r", len(prompt))
-    # the target's token sits on a side branch (node 1) and under it; the main chain (node 0) is wrong
-    wrong = (first + 1) % bf16.vocab_size
-    out = bf16.verify("r", DraftTree([wrong, first, 7], [-1, -1, 1]), Sampling())
+    target.open("r", prompt, len(prompt))
+    first = target.verify("r", DraftTree(), Sampling()).token_ids[0]
+    target.truncate("r", len(prompt))
+    wrong = (first + 1) % target.vocab_size
+    return first, target.verify("r", DraftTree([wrong, first, 7], [-1, -1, 1]), Sampling())
+
+
+def test_bf16_with_sdpa_on_cpu_verifies_a_tree_along_its_main_chain(tiny_models):
+    """With SDPA, off the main chain a node's ancestors sit at other cache positions than plain decoding gives
+    them (bf16 rounds the different order into different tokens): bf16 on a CPU then verifies the main chain
+    only, fp32 the whole tree. A tree whose target path runs off the main chain commits as a chain would."""
+    fp32 = NativeTarget(NativeLlama.from_pretrained(tiny_models["llama"], attention="sdpa"), n_slots=1, max_context=64)
+    bf16 = NativeTarget(NativeLlama.from_pretrained(tiny_models["llama"], dtype="bfloat16", attention="sdpa"),
+                        n_slots=1, max_context=64)
+    assert fp32.verifies_trees and not bf16.verifies_trees
+    first, out = _side_branch_round(bf16)
     assert out.token_ids == [first] and out.accepted_draft == 0
-    fp32.open("r", prompt, len(prompt))
-    first32 = fp32.verify("r", DraftTree(), Sampling()).token_ids[0]
-    fp32.truncate("r", len(prompt))
-    out32 = fp32.verify("r", DraftTree([(first32 + 1) % fp32.vocab_size, first32, 7], [-1, -1, 1]), Sampling())
+    first32, out32 = _side_branch_round(fp32)
     assert out32.token_ids[0] == first32 and out32.accepted_draft == 1
+
+
+@needs_kernel_bf16
+def test_bf16_with_the_attention_kernel_verifies_the_whole_tree(tiny_models):
+    """CoSine's attention kernel reads a node's keys in the order plain decoding has them: bf16 verifies
+    whole trees, and a side branch the target agrees with is accepted."""
+    bf16 = NativeTarget.from_pretrained(tiny_models["llama"], dtype="bfloat16", n_slots=1, max_context=64)
+    assert bf16.model.attention_kernel and bf16.verifies_trees
+    first, out = _side_branch_round(bf16)
+    assert out.token_ids[0] == first and out.accepted_draft == 1
 
 
 def test_caches_hold_a_whole_number_of_key_blocks(tiny_models):
