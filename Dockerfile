@@ -26,7 +26,7 @@ COPY services ./services
 COPY protos ./protos
 # torch is already the wanted build: the pin torch==2.13.0 is satisfied by 2.13.0+cpu / +cu128
 RUN pip install . && pip check
-# CoSine's CPU matmul kernel (engine/csrc), compiled here where a compiler is; the runtime stage has none.
+# CoSine's CPU kernels (engine/csrc: matmul, attention, decoder step), compiled here where a compiler is; the runtime stage has none.
 # It picks its instructions at run time (AVX-512, AVX512-BF16), so the image runs on any x86-64 node.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
  && COSINE_KERNELS_DIR=/opt/cosine/kernels python -m cosine.engine.kernels

@@ -13,6 +13,13 @@ The build (some seconds with g++ and ninja) goes to ``$COSINE_CACHE/kernels/<tor
 compiler, no ninja) or the CPU lacks AVX-512, the ops' schemas are still defined, so that TorchScript
 compiles the layers that name them, and the engine keeps oneDNN: `available()` says which.
 `COSINE_KERNELS=0` turns them off.
+
+`attention_rows` (`csrc/attention_rows.cpp`): each new row of a step attends over the keys it sees, listed in
+plain decoding's order wherever the cache stores them, with every sum in that order: a row's bits depend on those
+keys alone, so a draft tree's nodes get plain decoding's logits (in bf16 too), and it is about 2x cheaper than
+SDPA at a step's shapes. `decoder_step` (`csrc/decoder_step.cpp`): every decoder layer of such a step in one call
+over the two (norms, RoPE, cache writes and SwiGLU as loops over each row's own elements): real target, 2 threads,
+bf16 one-token step 5.6 against 6.9 ms through the TorchScript layers.
 """
 
 from __future__ import annotations
@@ -29,14 +36,19 @@ import torch
 log = logging.getLogger(__name__)
 
 NAME = "cosine_kernels"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_linear.cpp", "attention_rows.cpp")]
+HEADER = Path(__file__).parent / "csrc" / "cosine_kernels.h"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_linear.cpp", "attention_rows.cpp", "decoder_step.cpp")]
 # -fopenmp: at::parallel_for's OpenMP backend is inline in ATen's headers (without it: one thread)
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 SCHEMAS = ["kernel_supported(ScalarType dtype) -> bool", "pack_weight(Tensor w) -> Tensor",
            "packed_linear(Tensor x, Tensor wp, Tensor? bias=None, Tensor? residual=None) -> Tensor",
            "attention_rows(Tensor q, Tensor k, Tensor v, Tensor slots, Tensor prefix, Tensor offsets, Tensor index, "
-           "float scale) -> Tensor"]
+           "float scale) -> Tensor",
+           "decoder_step(Tensor x, Tensor[] ln1, Tensor[] ln2, Tensor[] qkv_w, Tensor?[] qkv_b, Tensor[] o_w, "
+           "Tensor?[] o_b, Tensor[] gate_up_w, Tensor?[] gate_up_b, Tensor[] down_w, Tensor?[] down_b, "
+           "Tensor cache_k, Tensor cache_v, Tensor cos, Tensor sin, Tensor kv_index, Tensor slots, Tensor prefix, "
+           "Tensor offsets, Tensor index, int nh, int nkv, int hd, int intermediate, float eps, float scale) -> Tensor"]
 _schemas_only = None  # keeps the schema-only library alive when the build is missing
 
 
@@ -45,7 +57,7 @@ def build_dir() -> Path:
     image sets it: built at image build time), else $COSINE_CACHE/kernels."""
     from cosine.zoo.registry import cache_root
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS + LDFLAGS).encode())
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [*SOURCES, HEADER]) + " ".join(CFLAGS + LDFLAGS).encode())
     root = Path(os.environ["COSINE_KERNELS_DIR"]) if os.environ.get("COSINE_KERNELS_DIR") else cache_root() / "kernels"
     return root / f"torch{torch.__version__.replace('+', '_')}-{digest.hexdigest()[:12]}"
 

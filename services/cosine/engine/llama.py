@@ -185,7 +185,7 @@ class NativeLlama:
     def __init__(self, spec: LlamaSpec, state: dict[str, torch.Tensor], config=None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                  linear: str = "auto", small_rows: int | None = None, exact_rows: bool = True,
-                 attention: str = "auto"):
+                 attention: str = "auto", fused_step: bool = True):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
@@ -330,6 +330,11 @@ class NativeLlama:
         # fp32 rounds the last bits of a different order into a different token too rarely to pay for it
         # (measured lossless against transformers; see row_invariant).
         self.exact = dtype != torch.float32 and (self.row_chunk > 0 or (self.kernel and exact_rows))
+        # fused_step: a step that the attention kernel serves, on the matmul kernel, runs every layer in one C++
+        # call (`decoder_step`: norms, RoPE, cache writes and SwiGLU as loops over each row's own elements,
+        # instead of ~40 TorchScript ops a layer). A row's numbers still depend on that row alone.
+        self.fused_step = (fused_step and self.attention_kernel and self.kernel and spec.hidden_size % 16 == 0
+                           and spec.intermediate_size % 16 == 0)
         if keep_plain:
             for kind in ("qkv_p", "o_p", "gate_up_p", "down_p"):
                 if self._column_major_faster([getattr(L, kind) for L in self.layers]):
@@ -422,7 +427,7 @@ class NativeLlama:
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                         max_positions: int | None = None, linear: str = "auto",
                         small_rows: int | None = None, exact_rows: bool = True,
-                        attention: str = "auto") -> "NativeLlama":
+                        attention: str = "auto", fused_step: bool = True) -> "NativeLlama":
         from transformers import AutoConfig
 
         path = Path(path)
@@ -435,7 +440,8 @@ class NativeLlama:
             dtype = resolve_dtype(dtype, device)
         spec = spec_from_config(config)
         return cls(spec, _load_state_dict(path), config, device=device, dtype=dtype, max_positions=max_positions,
-                   linear=linear, small_rows=small_rows, exact_rows=exact_rows, attention=attention)
+                   linear=linear, small_rows=small_rows, exact_rows=exact_rows, attention=attention,
+                   fused_step=fused_step)
 
     @staticmethod
     def supports(path: str | Path) -> bool:
@@ -605,6 +611,12 @@ class NativeLlama:
         sin = self.sin[pos_t][:, None, :]
 
         x = self.embed[tok_t]  # [N, H]
+        if row_keys is not None and self.fused_step:
+            W = self._weights
+            x = torch.ops.cosine.decoder_step(x, W[0], W[1], W[2], W[3], W[5], W[6], W[8], W[9], W[11], W[12],
+                                              cache.k, cache.v, self.cos[pos_t], self.sin[pos_t], kv_index,
+                                              *row_keys, nh, nkv, hd, s.intermediate_size, s.rms_norm_eps, self.scale)
+            return self._finish(x, batch, cache, starts, lengths, N)
         args = (x, *self._weights, cache.k, cache.v, cos, sin, kv_index, bias, nh, nkv, hd, s.intermediate_size,
                 s.rms_norm_eps, self.scale, self.small_rows, self.packed, self.row_chunk, self.kernel, R, T, dense,
                 row_t, use_view,

@@ -1,7 +1,8 @@
 """CoSine's kernels (`cosine.engine.kernels`): the matmul (`csrc/packed_linear.cpp`) — the numbers of an fp32 and
 a bf16 matmul, every row's bits independent of the rows that share its call, and the engine taking it where it
 should — and the attention (`csrc/attention_rows.cpp`) — its numbers, a row's bits a function of the keys it
-sees in their logical order alone, and a bf16 draft tree's every node given plain decoding's logits."""
+sees in their logical order alone, and a bf16 draft tree's every node given plain decoding's logits — and the
+fused decoder step (`csrc/decoder_step.cpp`) against the TorchScript layers."""
 
 from __future__ import annotations
 
@@ -140,7 +141,7 @@ def test_the_layers_compile_and_the_engine_runs_without_the_kernels(tiny_models)
         "assert not kernels.load()\n"
         "assert isinstance(layers.scripted_decoder_layers, torch.jit.ScriptFunction)\n"
         f"m = NativeLlama.from_pretrained({str(tiny_models['llama'])!r}, dtype=torch.bfloat16)\n"
-        "assert not m.kernel and not m.attention_kernel\n"
+        "assert not m.kernel and not m.attention_kernel and not m.fused_step\n"
         f"assert not NativeLlama.from_pretrained({str(tiny_models['llama'])!r}).kernel\n"
         "try:\n"
         f"    NativeLlama.from_pretrained({str(tiny_models['llama'])!r}, dtype=torch.bfloat16, linear='kernel')\n"
@@ -225,11 +226,46 @@ def test_attention_rows_refuses_what_it_cannot_read():
 
 @needs_kernel
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_a_bf16_tree_gives_every_node_the_logits_of_plain_decoding(tiny_models, name):
+@pytest.mark.parametrize("linear", ["auto", "kernel"])
+def test_a_bf16_tree_gives_every_node_the_logits_of_plain_decoding(tiny_models, name, linear):
     """bf16 with the attention kernel: every node of 12-node trees with side branches, two requests to a step,
-    has, bitwise, the logits plain decoding gives the same token after the same path (one token per step).
+    has, bitwise, the logits plain decoding gives the same token after the same path (one token per step):
+    through the TorchScript layers (oneDNN's matmuls, where they are row-invariant at these shapes) and through
+    the fused decoder step on the matmul kernel.
     (These tiny models agree under SDPA too; the real target's test in test_real_target shows where SDPA
     does not.)"""
-    model = NativeLlama.from_pretrained(tiny_models[name], dtype=torch.bfloat16)
+    model = NativeLlama.from_pretrained(tiny_models[name], dtype=torch.bfloat16, linear=linear)
     assert model.attention_kernel and model.row_invariant
+    assert model.fused_step == model.kernel and (model.kernel or linear == "auto")  # kernel: the fused step
     assert tree_nodes_differing_from_plain(model, random.Random(5), (23, 9), trials=2) == []
+
+
+@needs_kernel
+@needs_fp32_kernel
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_decoder_step_computes_what_the_layers_compute(tiny_models, name, dtype):
+    """`decoder_step` (every layer of a decode or tree step in one C++ call) against the same model's TorchScript
+    layers over the same kernels, after the same prefill: a 2-request step of a chain and a tree, logits within
+    fp32 rounding (fp32) or a few bf16 roundings (bf16), and the next tokens the same."""
+    from cosine.engine.llama import Seq
+
+    fused = NativeLlama.from_pretrained(tiny_models[name], dtype=dtype, linear="kernel")
+    layers_ = NativeLlama.from_pretrained(tiny_models[name], dtype=dtype, linear="kernel", fused_step=False)
+    assert fused.fused_step and not layers_.fused_step and layers_.attention_kernel
+    rng = random.Random(2)
+    vocab = fused.spec.vocab_size
+    ctx = [[rng.randrange(vocab) for _ in range(n)] for n in (19, 33)]
+    outs = []
+    for model in (fused, layers_):
+        cache = model.new_cache(2, 64)
+        model.forward([Seq(i, c[:-1], list(range(len(c) - 1)), logits="none", prompt=True)
+                       for i, c in enumerate(ctx)], cache)
+        chain = Seq(0, [ctx[0][-1], 5, 9, 2], list(range(18, 22)))
+        tree = Seq(1, [ctx[1][-1], 4, 7, 8, 1], [32, 33, 33, 34, 34], [-1, 0, 0, 1, 2])
+        outs.append(model.forward([chain, tree], cache))
+    for a, b in zip(*outs):
+        tol = 1e-4 if dtype == torch.float32 else 0.1
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+        if dtype == torch.float32:
+            assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+#include "cosine_kernels.h"
+
 namespace {
 
 bool supported(at::ScalarType dtype) {
@@ -124,6 +126,10 @@ at::Tensor pack_weight(const at::Tensor& w) {
   return w.contiguous().view({N / 16, 16, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / 16, K / 2, 32});
 }
 
+}  // namespace
+
+namespace cosine {
+
 // wp [N/16, K, 16] (fp32) or [N/16, K/2, 32] (bf16): its K is wp.size(1) * 16 / 16 or * 2.
 at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& wp, const c10::optional<at::Tensor>& bias,
                          const c10::optional<at::Tensor>& residual) {
@@ -166,10 +172,11 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& wp, const c10::
   return out;
 }
 
-}  // namespace
+}  // namespace cosine
 
 TORCH_LIBRARY_FRAGMENT(cosine, m) {
   m.def("kernel_supported(ScalarType dtype) -> bool", supported);
   m.def("pack_weight(Tensor w) -> Tensor", pack_weight);
-  m.def("packed_linear(Tensor x, Tensor wp, Tensor? bias=None, Tensor? residual=None) -> Tensor", packed_linear);
+  m.def("packed_linear(Tensor x, Tensor wp, Tensor? bias=None, Tensor? residual=None) -> Tensor",
+        cosine::packed_linear);
 }
