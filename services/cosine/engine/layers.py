@@ -10,6 +10,9 @@ CPU (no CPU fuser is enabled), which `tests/unit/engine/test_layers.py` checks b
 same functions run as plain Python. On other devices the functions run as plain Python (a GPU fuser
 could change the arithmetic), and wherever TorchScript cannot compile them.
 
+Where CoSine's matmul and attention kernels both run, decode and verify steps do not come here: one C++ call
+(`decoder_step`, `csrc/decoder_step.cpp`) runs all their layers; prompts' prefills, and every step elsewhere, do.
+
 Everything here is TorchScript-compatible Python: module-level functions, typed arguments, no closures.
 """
 
