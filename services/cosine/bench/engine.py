@@ -1,8 +1,9 @@
 """`cosine bench engine`: the native engine against the `transformers` backend on the real target.
 
-For each backend: a one-token decode at batch 1 and 8, verifying a 4-token
-chain and a 16-node tree at batch 1 and 8; each as the median milliseconds of
-one forward step (plus the cut back to the prompt) and as a ratio to the same
+For each backend: a one-token decode at batch 1, 4 and 8 (batch 4: what
+llama.cpp's server does with 4 parallel streams), verifying a 4-token chain and
+a 16-node tree at the same batches; each as the median milliseconds of one
+forward step (plus the cut back to the prompt) and as a ratio to the same
 backend's one-token decode at batch 1. Then the bookkeeping costs (cut back,
 release + reopen slot) in microseconds. Greedy by default; --temperature (with
 --top-p, --top-k) makes the native and hf_target backends verify by seeded
@@ -28,7 +29,7 @@ import torch
 
 from cosine.engine.models import cpu_bf16_flags, fast_bf16, resolve_dtype
 
-BATCHES = (1, 8)
+BATCHES = (1, 4, 8)
 DEFAULT_BACKENDS = "native,transformers,hf_target"
 
 
