@@ -494,8 +494,12 @@ class NativeLlama:
         B = len(batch)
         if B == 0:
             return []
-        order = sorted(range(B), key=lambda i: batch[i].slot)
-        if order != list(range(B)):  # slot order lets the attention view the cache in place
+        # CoSine's attention kernel for every pass but a prefill of prompts (there SDPA's blocked attention
+        # over many rows is cheaper, and a prompt's rows need only depend on the prompt): each row over the keys
+        # it sees, in logical order, read where they are stored; nothing past them is read.
+        use_rows = self.attention_kernel and not all(q.prompt and q.parents is None for q in batch)
+        order = list(range(B)) if use_rows else sorted(range(B), key=lambda i: batch[i].slot)
+        if order != list(range(B)):  # SDPA: slot order lets the attention view the cache in place
             out = self.forward([batch[i] for i in order], cache)
             result: list[torch.Tensor | None] = [None] * B
             for j, i in enumerate(order):
@@ -515,10 +519,6 @@ class NativeLlama:
         slots = [q.slot for q in batch]
         if len(set(slots)) != B:
             raise ValueError("a slot appears twice in one batch")
-        # CoSine's attention kernel for every pass but a prefill of prompts (there SDPA's blocked attention
-        # over many rows is cheaper, and a prompt's rows need only depend on the prompt): each row over the keys
-        # it sees, in logical order, read where they are stored; nothing past them is read.
-        use_rows = self.attention_kernel and not all(q.prompt and q.parents is None for q in batch)
         if not use_rows:
             for q in batch:
                 cache.expose(q.slot, L)
@@ -533,7 +533,7 @@ class NativeLlama:
         else:
             rows = list(range(B))
             R = B
-        slot_index = None if use_view else torch.tensor(slots, device=dev)
+        slot_index = None if use_view or use_rows else torch.tensor(slots, device=dev)
 
         flat_tok: list[int] = []
         flat_pos: list[int] = []
@@ -556,7 +556,7 @@ class NativeLlama:
         slot_t = torch.tensor(flat_slot, device=dev)
         store_t = torch.tensor(flat_store, device=dev)
         dense = use_view and R == B and N == R * T and rows == list(range(B))
-        row_t = None if dense else torch.tensor(flat_row, device=dev)
+        row_t = None if dense or use_rows else torch.tensor(flat_row, device=dev)  # SDPA's padded layout only
 
         row_keys = self._row_keys(batch, starts, lengths) if use_rows else None
         each = None

@@ -269,3 +269,22 @@ def test_the_fused_decoder_step_computes_what_the_layers_compute(tiny_models, na
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
         if dtype == torch.float32:
             assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_kernel
+def test_a_step_on_the_attention_kernel_takes_its_requests_in_any_slot_order(tiny_models):
+    """Only SDPA needs a step's requests in slot order (it views the cache in place); the attention kernel reads
+    each row's keys where they are, so the step runs in the order given, with the same bits."""
+    from cosine.engine.llama import Seq
+
+    model = NativeLlama.from_pretrained(tiny_models["llama"], dtype=torch.bfloat16, linear="kernel")
+    ctx = [[3, 9, 4, 1, 7], [8, 2, 6]]
+    outs = []
+    for order in ((0, 1), (1, 0)):
+        cache = model.new_cache(2, 32)
+        model.forward([Seq(i, c[:-1], list(range(len(c) - 1)), logits="none", prompt=True)
+                       for i, c in enumerate(ctx)], cache)
+        steps = {0: Seq(0, [ctx[0][-1], 5], [4, 5]), 1: Seq(1, [ctx[1][-1], 4, 7], [2, 3, 3], [-1, 0, 0])}
+        got = model.forward([steps[i] for i in order], cache)
+        outs.append({i: g for i, g in zip(order, got)})
+    assert all(torch.equal(outs[0][i], outs[1][i]) for i in (0, 1))

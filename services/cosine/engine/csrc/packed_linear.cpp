@@ -43,9 +43,7 @@ struct Call {
   int64_t M, K, N;
 };
 
-__attribute__((target("avx512f"))) inline __m512 widen(const c10::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
+using cosine::load16;  // bf16 -> fp32, 16 lanes
 
 // fp32: panels [N/16, K, 16]; a tile is NV panels × up to MB rows.
 template <int NV, int MB>
@@ -97,8 +95,8 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16(const Call<c10::BFl
     for (int j = 0; j < NV; j++) {
       const int64_t col = (v + j) * 16, o = (m0 + i) * c.N + col;
       __m512 y = acc[i][j];
-      if (c.bias) y = _mm512_add_ps(y, widen(c.bias + col));
-      if (c.residual) y = _mm512_add_ps(widen(c.residual + o), y);
+      if (c.bias) y = _mm512_add_ps(y, load16(c.bias + col));
+      if (c.residual) y = _mm512_add_ps(load16(c.residual + o), y);
       _mm256_storeu_si256((__m256i*)(c.out + o), (__m256i)_mm512_cvtneps_pbh(y));
     }
 }
