@@ -193,7 +193,7 @@ def summary_line(result: dict) -> str:
     """The closing line of `cosine generate`: what speculation did, in the unit it saves (target forward passes)."""
     s = result["stats"]
     n = len(result["token_ids"])
-    line = f"[{result['finish_reason']}; {n} tokens in {s['rounds']} target passes"
+    line = f"[{result['finish_reason']}; {n} tokens in {s.get('target_passes', s['rounds'])} target passes"
     if s["drafted_tokens"]:
         line += (f" ({s['tokens_per_target_pass']:.2f} tokens per pass; plain decoding makes 1.00), "
                  f"{s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted")

@@ -28,6 +28,11 @@ class GenerateOptions:
     api_key: str = ""  # sent as 'authorization: Bearer <key>' when set (the chart's router requires one)
 
 
+
+def target_passes(tokens: int, accepted: int) -> int:
+    """Forward passes of the target an output took: each commits its accepted draft tokens and one of its own."""
+    return max(1, tokens - accepted) if tokens else 0
+
 def build_request(prompt: str, options: GenerateOptions) -> router_pb2.GenerateRequest:
     request = router_pb2.GenerateRequest(stop=options.stop)
     if options.chat:
@@ -81,8 +86,11 @@ def generate(address: str, prompt: str, options: GenerateOptions, on_text: Calla
             "drafted_tokens": final.stats.drafted_tokens,
             "accepted_tokens": final.stats.accepted_tokens,
             "drafters": list(final.stats.drafters),
-            # each round is one forward pass of the target for this request: plain decoding makes one token per pass
-            "tokens_per_target_pass": len(token_ids) / final.stats.rounds if final.stats.rounds else 0.0,
+            # a forward pass of the target commits its accepted draft tokens and one of its own (a round is one pass,
+            # or, decoding plainly, a decode run of several): plain decoding makes one token per pass
+            "target_passes": target_passes(len(token_ids), final.stats.accepted_tokens),
+            "tokens_per_target_pass": (len(token_ids) / target_passes(len(token_ids), final.stats.accepted_tokens)
+                                       if token_ids else 0.0),
         },
         "ttft_s": (first - started) if first else None,
         "elapsed_s": elapsed,

@@ -7,6 +7,7 @@ import time
 import pytest
 
 from cosine.cli import summary_line
+from cosine.client import target_passes
 from cosine.common.progress import Progress
 
 pytestmark = pytest.mark.unit
@@ -68,11 +69,12 @@ def test_on_a_terminal_it_is_a_bar_with_the_remaining_time():
 def _result(rounds, drafted, accepted, n):
     return {"finish_reason": "length", "token_ids": [0] * n, "tokens_per_s": 10.0,
             "stats": {"rounds": rounds, "drafted_tokens": drafted, "accepted_tokens": accepted,
-                      "tokens_per_target_pass": n / rounds}}
+                      "target_passes": target_passes(n, accepted), "tokens_per_target_pass": n / target_passes(n, accepted)}}
 
 
 def test_generate_closing_line_reports_tokens_per_target_pass():
-    line = summary_line(_result(rounds=80, drafted=90, accepted=48, n=128))
+    line = summary_line(_result(rounds=80, drafted=90, accepted=48, n=128))  # 80 passes: 48 accepted + 80 own
     assert "128 tokens in 80 target passes (1.60 tokens per pass; plain decoding makes 1.00)" in line
     assert "48/90 drafted tokens accepted" in line
-    assert "nothing drafted: plain decoding" in summary_line(_result(rounds=32, drafted=0, accepted=0, n=32))
+    plain = summary_line(_result(rounds=9, drafted=0, accepted=0, n=32))  # decode runs: 32 passes in 9 rounds
+    assert "32 tokens in 32 target passes (nothing drafted: plain decoding)" in plain

@@ -33,8 +33,8 @@ through the OS scheduler: the verifier runs 2 torch threads, each LM drafter 1.
 
 Figures per system and load point: output tokens/s (all output tokens over the wall time of
 the run), TTFT and TPOT p50/p99 (TPOT = (last token - first token) / (n - 1) per request),
-end-to-end latency, mean accepted length (output tokens per verification round, i.e. accepted
-draft tokens + the target's own), acceptance rate (accepted / drafted), verifier and drafter
+end-to-end latency, mean accepted length (output tokens per verification step of a request, i.e.
+accepted draft tokens + the target's own; a decode run's plain steps count one each), acceptance rate (accepted / drafted), verifier and drafter
 busy fractions (rate of cosine_worker_busy_seconds_total over the run; drafters summed), how
 many outputs are identical to target-only's batch-1 greedy output, and ratios to target-only
 and vanilla-sd at the same load point. Accepted length per domain per drafter comes from a
@@ -360,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                  f"CPUs through the OS scheduler (verifier {spec.verifier_threads} torch threads, each LM drafter "
                  f"{spec.drafter_threads}; router, scheduler, fusion, the suffix and ngram drafters and Redis are asyncio/IO processes); verifier "
                  f"KV slots and drafter request slots: {slots}, verifier max context "
-                 f"{os.environ['COSINE_VERIFIER_MAX_CONTEXT']}; every other setting is the services' default")
+                 f"{os.environ['COSINE_VERIFIER_MAX_CONTEXT']}; every other setting is the services' default" +
+                 "".join(f", but {k}={v} from the environment" for k, v in sorted(os.environ.items())
+                         if k.startswith(("COSINE_SCHEDULER_", "COSINE_ROUTER_", "COSINE_FUSION_")) and k != "COSINE_ROUTER_MAX_STREAMS"))
     speculation = cluster_speculation(best, args.depth)
     cluster = Cluster(spec)
     bar.set_postfix_str("starting the cluster")
@@ -616,12 +618,13 @@ def format_table(doc: dict) -> str:
             f"{ident:>6}")
     parts = [r for r in doc["systems"] if r.get("round_ms") and r["mode"] == "closed" and r["concurrency"] == 1]
     if parts:
-        lines += ["", "where a round's time goes at c=1 (ms per round; draft: per drafting round, as fusion measured it):",
-                  f"{'system':17} {'rounds':>6} {'draft':>7} {'verify':>7} {'commit':>7} {'gRPC+queue':>10}"]
+        lines += ["", "where a round's time goes at c=1 (ms per round; draft: per drafting round, as fusion measured it; "
+                  "a decode run of several plain tokens is one round):",
+                  f"{'system':17} {'rounds':>6} {'tok/rnd':>7} {'draft':>7} {'verify':>7} {'commit':>7} {'gRPC+queue':>10}"]
         for r in parts:
             b = r["round_ms"]
-            lines.append(f"{r['name']:17} {b['rounds']:6d} {b['draft_ms']:7.1f} {b['verify_ms']:7.1f} {b['commit_ms']:7.1f} "
-                         f"{b['overhead_ms']:10.1f}")
+            lines.append(f"{r['name']:17} {b['rounds']:6d} {_f(r['tokens'] / b['rounds'] if b['rounds'] else None, '.2f', 7)} "
+                         f"{b['draft_ms']:7.1f} {b['verify_ms']:7.1f} {b['commit_ms']:7.1f} {b['overhead_ms']:10.1f}")
     steps = [r for r in doc["systems"] if r.get("step_ms")]
     if steps:
         lines += ["", "where a verification step's time goes (ms per step; step: send to answer at the scheduler, of which "

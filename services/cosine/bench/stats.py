@@ -113,8 +113,9 @@ def summarise(name: str, records: Sequence[RequestRecord], references: dict[int,
     """One system's figures at one load point.
 
     tokens_per_s: output tokens of all requests over the wall time from the first arrival to the last
-    finish (or `wall_s` when given). mean_accepted_len: output tokens per verification round (the
-    accepted draft tokens + the target's own token), over all requests that report rounds.
+    finish (or `wall_s` when given). mean_accepted_len: output tokens per verification step of a request
+    (the accepted draft tokens + the target's own token), over all requests that report rounds; a decode
+    run's plain steps count one each (`verification_steps`).
     acceptance_rate: accepted / drafted draft tokens. Busy fractions: busy seconds over the wall time
     (drafter_busy sums every drafter process, so it can exceed 1 with several drafters busy at once)."""
     ok = [r for r in records if r.error is None]
@@ -126,6 +127,7 @@ def summarise(name: str, records: Sequence[RequestRecord], references: dict[int,
     reported = [r for r in ok if r.rounds]
     rounds = sum(r.rounds for r in reported) if reported else None
     round_tokens = sum(len(r.token_ids) for r in reported)
+    steps = sum(verification_steps(r) for r in reported)
     drafted = sum(r.drafted for r in ok if r.drafted is not None) if any(r.drafted is not None for r in ok) else None
     accepted = sum(r.accepted for r in ok if r.accepted is not None) if any(r.accepted is not None for r in ok) else None
     ttfts = [r.ttft_s for r in ok]
@@ -152,7 +154,7 @@ def summarise(name: str, records: Sequence[RequestRecord], references: dict[int,
         "e2e_ms_p50": _ms(percentile(e2es, 50)),
         "e2e_ms_p99": _ms(percentile(e2es, 99)),
         "e2e_ms_mean": _ms(mean(e2es)),
-        "mean_accepted_len": round_tokens / rounds if rounds else None,
+        "mean_accepted_len": round_tokens / steps if rounds and steps else None,
         "acceptance_rate": accepted / drafted if drafted else None,
         "rounds": rounds,
         "drafted": drafted,
@@ -166,15 +168,24 @@ def summarise(name: str, records: Sequence[RequestRecord], references: dict[int,
     return row
 
 
+def verification_steps(r: RequestRecord) -> int:
+    """The target steps a request's output took: each step commits its accepted draft tokens and one token of
+    the target's own, so output tokens − accepted ones (a decode run of k plain tokens is one round of k steps;
+    without an accepted count, its rounds)."""
+    if r.accepted is None:
+        return r.rounds or 0
+    return max(1, len(r.token_ids) - r.accepted)
+
+
 def accepted_len_by_domain(records: Iterable[RequestRecord]) -> dict[str, float]:
-    """Output tokens per round, per domain, over the requests that report rounds."""
+    """Output tokens per verification step, per domain, over the requests that report rounds."""
     tokens: dict[str, int] = {}
-    rounds: dict[str, int] = {}
+    steps: dict[str, int] = {}
     for r in records:
         if r.rounds:
             tokens[r.domain] = tokens.get(r.domain, 0) + len(r.token_ids)
-            rounds[r.domain] = rounds.get(r.domain, 0) + r.rounds
-    return {d: tokens[d] / rounds[d] for d in sorted(tokens)}
+            steps[r.domain] = steps.get(r.domain, 0) + verification_steps(r)
+    return {d: tokens[d] / steps[d] for d in sorted(tokens)}
 
 
 def add_ratios(rows: list[dict], baseline: str = "target-only", vanilla: str = "vanilla-sd") -> list[dict]:

@@ -408,9 +408,11 @@ class SimScheduler(SchedulerServicer):
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, open=verifier_pb2.VerifyOpen(
                 request_id=request.request_id, committed_token_ids=live.prompt, sampling=live.sampling,
                 prompt_len=len(live.prompt))))
-        for request, tree in rounds:
+        runs = [request.steps if not len(tree) else 1 for request, tree in rounds]  # decode runs (steploop.py)
+        for (request, tree), k in zip(rounds, runs):
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, round=verifier_pb2.VerifyRound(
-                tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs))))
+                tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
+                steps=k if k > 1 else 0)))
         link, device = sim.verifier_links[self.verifier_index], sim.verifier_devices[self.verifier_index]
         now = sim.clock.now()
         for _ in rounds:
@@ -419,15 +421,18 @@ class SimScheduler(SchedulerServicer):
             await link.send(verifier_pb2.VerifyStep(entries=entries).ByteSize())
             seconds = sum(c.prefill_s(len(r.payload.prompt)) for r in opens)
             if rounds:
-                seconds += c.verify_s(len(rounds), max(r.context_used for r, _ in rounds), max(len(t) for _, t in rounds))
+                longest = max(r.context_used for r, _ in rounds)
+                seconds += c.verify_s(len(rounds), longest, max(len(t) for _, t in rounds))
+                for i in range(1, max(runs)):  # a decode run's further plain steps, of the rounds with steps left
+                    seconds += c.verify_s(sum(1 for k in runs if k > i), longest + i, 0)
             await device.run(seconds)
             verdicts, results = [], []
-            for request, tree in rounds:
+            for (request, tree), k in zip(rounds, runs):
                 state: _SimState = request.payload.sim
                 g = len(request.generated)
-                truth = sim.target(state, g, len(tree) + 1)
+                truth = sim.target(state, g, len(tree) + k)
                 accepted = _walk(tree, truth)
-                v = Verdict(truth[:accepted + 1], accepted, seconds)
+                v = Verdict(truth[:accepted + k], accepted, seconds)
                 verdicts.append(v)
                 results.append(verifier_pb2.VerifyEntryResult(request_id=request.request_id, verdict=verifier_pb2.VerifyResponse(
                     token_ids=v.token_ids, accepted_draft=accepted, verify_ms=seconds * 1000)))

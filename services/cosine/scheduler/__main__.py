@@ -75,6 +75,14 @@ class SchedulerSettings(ServiceSettings):
         "past it the verifier is taken for dead and its requests fail over to another replica"))
     open_deadline_s: float = Field(30.0, gt=0, description=(
         "shortest deadline of a verification step that opens requests (the verifier prefills their prompts)"))
+    decode_steps: int = Field(4, ge=1, le=64, description=(
+        "most tokens a request decodes plainly per verifier round trip (a decode run): when no request of a step "
+        "drafts or opens, the verifier runs up to this many steps back to back and answers once, so the round trip, "
+        "the Redis commit and the stream message are paid once per run; tokens then stream in groups of up to this "
+        "many. The tokens are the same as with 1 (one round trip per token)"))
+    decode_run_s: float = Field(0.1, gt=0, description=(
+        "a decode run has no more steps than fit in this many seconds by the recent step time (a request arriving "
+        "during a run waits for its end)"))
     handover_after_s: float | None = Field(None, ge=0, description=(
         "on SIGTERM, how long live requests may finish before they are handed over to another scheduler through "
         "Redis (unset: drain_timeout_s minus 3 s)"))
@@ -145,7 +153,8 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
                              step_max_requests=settings.step_max_requests, step_max_tokens=settings.step_max_tokens,
                              gate_window_s=settings.gate_window_s, draft_deadline_s=settings.draft_deadline_s,
                              first_draft_deadline_s=settings.first_draft_deadline_s, fusion_retry_s=settings.fusion_retry_s,
-                             verify_deadline_s=settings.verify_deadline_s, open_deadline_s=settings.open_deadline_s)
+                             verify_deadline_s=settings.verify_deadline_s, open_deadline_s=settings.open_deadline_s,
+                             decode_steps=settings.decode_steps, decode_run_s=settings.decode_run_s)
     servicer = SchedulerServicer(store, verifiers, fusions, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live),

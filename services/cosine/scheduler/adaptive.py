@@ -180,6 +180,12 @@ class DepthChooser:
     interval: int = 0  # plain rounds before the next probe (0: probe_every)
     probed: bool = False  # the last round was a probe
 
+    def count_plain(self, steps: int) -> None:
+        """A decode run decoded ``steps`` further plain tokens in its one round: they count toward the next
+        probe as the plain rounds they replace."""
+        if steps > 0 and not self.probed:
+            self.plain_rounds += steps
+
     def choose(self, costs: SpeculationCosts | None, cap: int | None = None) -> int:
         d = self.speculation.depth(costs, cap)
         limit = self.speculation.max_depth if cap is None else min(self.speculation.max_depth, cap)

@@ -120,6 +120,8 @@ class SchedulerConfig:
     verify_deadline_s: float = 5.0  # shortest deadline of a verification step (10 × the measured step, at least this)
     open_deadline_s: float = 30.0  # shortest deadline of a step that opens requests (the verifier prefills them)
     fusion_retry_s: float = 5.0  # a request decoding plainly for want of fusion tries a ready replica again after this
+    decode_steps: int = 4  # most tokens of a decode run: plain steps the verifier runs back to back (1: none)
+    decode_run_s: float = 0.1  # a decode run's steps fit in this, by the recent step time
 
 
 def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Switches:
@@ -278,7 +280,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         metrics.depth_cap.set_function(lambda: self.controller.depth_cap)
         metrics.drafters_cap.set_function(lambda: self.controller.drafters)
         self.loop = StepLoop(self, BatchLimits(max_tokens=max(2, config.step_max_tokens), max_requests=max(1, config.step_max_requests)),
-                             clock=self.clock, max_depth=config.max_depth, on_step=self._on_step)
+                             clock=self.clock, max_depth=config.max_depth, on_step=self._on_step,
+                             decode_steps=config.decode_steps, decode_run_s=config.decode_run_s)
         self.gate = SpeculationGate(window_s=config.gate_window_s) if config.gate_window_s > 0 else None
         metrics.gate.set_function(lambda: 1 if self.gate is None or self.gate.speculating else 0)
         self.lanes: dict[str, VerifierLane] = {}  # verifier endpoint name -> its stream
@@ -790,7 +793,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                       parent=live.round_span(self.tracing))
             spans.append(span)
             entry = verifier_pb2.VerifyEntry(request_id=request.request_id, round=verifier_pb2.VerifyRound(
-                tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs)))
+                tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
+                steps=request.steps if request.steps > 1 and not len(tree) else 0))
             self.tracing.carrier(span, entry.round.trace_context)
             entries.append(entry)
         now = self.clock.now()
@@ -798,7 +802,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.load.enter(now)
         broken = None
         try:
-            reply = await self._step(lane, verifier_pb2.VerifyStep(entries=entries), self._verify_deadline(bool(opens)))
+            steps = max([r.steps for r, _ in rounds], default=1)
+            reply = await self._step(lane, verifier_pb2.VerifyStep(entries=entries), self._verify_deadline(bool(opens), steps))
         except Exception as exc:  # noqa: BLE001 - the stream broke: fail over, or every round of the step fails with it
             broken = exc
         finally:
@@ -852,11 +857,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.verifiers.mark_down(lane.endpoint)  # no new requests there until its health check passes
             raise
 
-    def _verify_deadline(self, opening: bool) -> float:
-        """Seconds a step may take: 10 × the measured step time, at least verify_deadline_s (open_deadline_s
-        when it opens requests: the verifier prefills their prompts first)."""
+    def _verify_deadline(self, opening: bool, steps: int = 1) -> float:
+        """Seconds a step may take: 10 × the measured step time (× the steps of a decode run), at least
+        verify_deadline_s (open_deadline_s when it opens requests: the verifier prefills their prompts first)."""
         floor = self.config.open_deadline_s if opening else self.config.verify_deadline_s
-        return max(floor, 10 * (self.loop.step_estimate or 0.0))
+        return max(floor, 10 * steps * (self.loop.step_estimate or 0.0))
 
     def _move(self, request: Request, target: Endpoint) -> None:
         """Place a request on another verifier (picked for it): it opens there with its next step."""
@@ -929,8 +934,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         live.end_round()
         if self.gate is not None:
             self.gate.observe(committed)
+        if record.steps > 1 and plan.depth is not None:
+            plan.depth.count_plain(record.steps - 1)
         self._learn(plan, reply, depth if reply is not None else 0, len(drafters), chain, min(verdict.accepted_draft, chain),
-                    list(verdict.token_ids), draft_compute, verdict.compute_s, drafted, record.round_s)
+                    list(verdict.token_ids), draft_compute, verdict.compute_s, drafted, record.round_s, record.steps)
         self._observe(drafted, accepted, committed, record.draft_s, record.verify_s, record.commit_s, draft_compute,
                       verdict.compute_s)
         self._observe_speculation(depth if drafted else 0, drafters, chain, accepted)
@@ -955,12 +962,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             close_quietly(lane.call)
 
     def _learn(self, plan: RequestPlan, reply, depth, n_drafters, chain, accepted, target_tokens, draft_s, verify_s, nodes,
-               round_s) -> None:
-        """Feed one verified round to the cost model, the request's acceptance estimate and its routing scores."""
+               round_s, steps: int = 1) -> None:
+        """Feed one verified round to the cost model, the request's acceptance estimate and its routing scores
+        (a decode run of `steps` plain steps counts as that many steps, and its round trip once per step)."""
         if depth > 0 and reply is not None:
             self.costs.observe_draft(depth, draft_s, (plan.switches.fusion, n_drafters))
-        self.costs.observe_verify(nodes, verify_s)
-        self.costs.observe_overhead(round_s - draft_s - verify_s)
+        self.costs.observe_verify(nodes, verify_s / steps)
+        self.costs.observe_overhead((round_s - draft_s - verify_s) / steps)
         if plan.depth is not None and chain > 0:
             plan.depth.speculation.observe(chain, accepted)
         if plan.router is not None and reply is not None:

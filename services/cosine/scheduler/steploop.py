@@ -19,6 +19,15 @@ loop:
    the step's rounds at once (one call of the commit port), streams each
    request's tokens, and launches the next drafts right away.
 
+**Decode runs.** A step whose every round decodes plainly (no draft tree, no
+request opening) asks the verifier for up to ``decode_steps`` tokens of each
+round at once (`Request.steps`; never past a request's length or context, and
+no more steps than fit in ``decode_run_s`` by the recent step time): the
+verifier runs the steps back to back and answers once, so a round trip, a
+commit and a stream message are paid per run instead of per token. The tokens
+are the ones single steps would give (sampling is seeded by position). A
+request arriving meanwhile waits for the run's end, at most ``decode_run_s``.
+
 **Lanes.** A request stays on the verifier it was opened on (its KV cache lives there):
 ``Request.lane`` names that verifier (the adapter sets it; None when there is one). Each lane
 has its own steps — one in flight per lane at a time, batches formed from that lane's
@@ -106,6 +115,7 @@ class RoundRecord:
     commit_s: float
     round_s: float  # from the round's start to its commit
     batch_size: int
+    steps: int = 1  # plain steps the round decoded (a decode run; 1 otherwise)
 
 
 @dataclass
@@ -124,6 +134,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)  # committed tokens the drafters have not seen yet
     step: int = 0  # the commit fence
+    steps: int = 1  # tokens the round being verified decodes plainly (a decode run; 1 otherwise)
     opened: bool = False  # the verifier holds it
     order: RoundOrder | None = None
     draft: Draft | None = None
@@ -218,7 +229,8 @@ class StepLoop:
 
     def __init__(self, ports: StepPorts, limits: BatchLimits | None = None, clock: Clock | None = None,
                  max_depth: int = 16, time_model: VerifyTimeModel | None = None, smoothing: float = 0.3,
-                 on_step: Callable[[int, float], None] | None = None):
+                 on_step: Callable[[int, float], None] | None = None, decode_steps: int = 1,
+                 decode_run_s: float = 0.1):
         self.ports = ports
         self.limits = limits or BatchLimits()
         self.clock = clock or MonotonicClock()
@@ -226,6 +238,8 @@ class StepLoop:
         self.time_model = time_model or VerifyTimeModel()
         self.smoothing = smoothing
         self.on_step = on_step  # (batch size, seconds) after each verification step
+        self.decode_steps = max(1, decode_steps)  # most tokens of a decode run (see the module's notes)
+        self.decode_run_s = decode_run_s  # a decode run's steps fit in this, by the recent step time
         self.requests: dict[str, Request] = {}
         self._releases: dict[Any, list[str]] = {}  # lane -> request ids to release on it
         self._wake = asyncio.Event()
@@ -439,8 +453,25 @@ class StepLoop:
             if keep is not None and keep < len(tree):
                 tree = DraftTree(tree.tokens[:keep], tree.parents[:keep], tree.probs[:keep])
             rounds.append((r, tree))
-        self._start_step(lane, rounds, [r for r in chosen if not r.opened])
+        opens = [r for r in chosen if not r.opened]
+        self._plan_run(rounds, opens)
+        self._start_step(lane, rounds, opens)
         return None
+
+    def run_length(self) -> int:
+        """Most steps of a decode run now: ``decode_steps``, fewer when the recent step time says they would
+        take longer than ``decode_run_s``."""
+        n = self.decode_steps
+        if n > 1 and self._step_estimate:
+            n = min(n, max(1, int(self.decode_run_s / self._step_estimate)))
+        return n
+
+    def _plan_run(self, rounds: list[tuple[Request, DraftTree]], opens: list[Request]) -> None:
+        """Set each round's `Request.steps`: a decode run when no round drafted and none opens (an open's
+        first token goes out at once), else one step."""
+        n = 1 if opens or any(len(tree) for _, tree in rounds) else self.run_length()
+        for request, _ in rounds:
+            request.steps = 1 if n <= 1 else request.room(max_depth=n - 1) + 1
 
     def _start_step(self, lane: Any, rounds: list[tuple[Request, DraftTree]], opens: list[Request]) -> None:
         releases = self._releases.pop(lane, [])
@@ -507,12 +538,17 @@ class StepLoop:
             self._round_done(request, verdict, cut, tree, seconds, commit_s, len(rounds))
 
     def _observe_step(self, rounds: list[tuple[Request, DraftTree]], seconds: float) -> None:
+        """Learn from a step's wall time; a decode run of k steps counts as k steps of seconds / k each (with the
+        rounds that still had steps left at each)."""
+        k = max(r.steps for r, _ in rounds)
+        seconds /= k
         a = self.smoothing
         self._step_estimate = seconds if self._step_estimate is None else (1 - a) * self._step_estimate + a * seconds
         self.time_model.add(Measurement(len(rounds), max(r.context_used for r, _ in rounds),
                                         max(len(t) for _, t in rounds), seconds))
         if self.on_step is not None:
-            self.on_step(len(rounds), seconds)
+            for i in range(k):
+                self.on_step(sum(1 for r, _ in rounds if r.steps > i), seconds)
 
     def _round_done(self, request: Request, verdict: Verdict, cut: policy.RoundCut, tree: DraftTree, verify_s: float,
                     commit_s: float, batch_size: int) -> None:
@@ -531,7 +567,7 @@ class StepLoop:
         now = self.clock.now()
         self.ports.learn(request, RoundRecord(request.order, draft, tree, verdict,
                                               list(cut.token_ids), request.draft_s, verify_s, commit_s,
-                                              now - request.round_started, batch_size))
+                                              now - request.round_started, batch_size, request.steps))
         request.draft, request.draft_s = None, 0.0
         self.ports.emit(request, Emission(list(cut.token_ids), len(tree), accepted, cut.finish_reason))
         if cut.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:

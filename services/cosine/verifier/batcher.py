@@ -21,6 +21,15 @@ forward each. Which waiting rounds go into a batch is the batch policy:
   least likely. Rounds not chosen stay queued and age. A tree is cut to its
   first n nodes (topological order, so a tree again): verifying fewer draft
   tokens is still exact, it can only accept less.
+
+**Decode runs.** A round with an empty tree may ask for ``steps`` > 1 tokens:
+after the batch's step, its requests that asked for more go on with plain
+steps, one after another on the model thread (each a `verify_batch` of
+those requests with empty trees), and the round is answered once with all
+its tokens. Each step is the same step a round of its own would be (the
+same batch members, the same sampling positions), so the tokens are the
+same; what goes is the round trip to the scheduler and its commit per token.
+A request stops early when its context is full.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from typing import Literal
 
 from cosine.common.streams import ModelWorker
 from cosine.engine.sampling import Sampling
+from cosine.engine.hf_target import VerifyOutcome
 from cosine.engine.target import TargetEngine
 from cosine.engine.tree import DraftTree
 from cosine.common.batching import (BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed,
@@ -52,6 +62,7 @@ class _Pending:
     sampling: Sampling
     future: asyncio.Future
     queued_at: float = 0.0
+    steps: int = 1  # tokens to decode plainly (an empty tree only; see "Decode runs")
 
 
 @dataclass(frozen=True)
@@ -96,19 +107,22 @@ class VerifyBatcher:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
-    async def verify(self, request_id: str, tree: DraftTree, sampling: Sampling):
-        """(the round's outcome: accepted tokens + the target's next, the size of the batch it was verified in)."""
-        return await self.submit(request_id, tree, sampling)
+    async def verify(self, request_id: str, tree: DraftTree, sampling: Sampling, steps: int = 1):
+        """(the round's outcome: accepted tokens + the target's next, the size of the batch it was verified in).
+        ``steps`` > 1 (an empty tree only): that many tokens decoded plainly, answered at once."""
+        return await self.submit(request_id, tree, sampling, steps)
 
-    def submit(self, request_id: str, tree: DraftTree, sampling: Sampling) -> asyncio.Future:
+    def submit(self, request_id: str, tree: DraftTree, sampling: Sampling, steps: int = 1) -> asyncio.Future:
         """Queue a round without waiting: rounds submitted before the caller next awaits are chosen from
         together (a scheduler's step arrives as one message). The future resolves like `verify`."""
+        if steps > 1 and len(tree):
+            raise ValueError("a round decodes several steps only without a draft tree")
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         future = asyncio.get_running_loop().create_future()
         self.unanswered += 1
         future.add_done_callback(self._answered)
-        self._queue.append(_Pending(request_id, tree, sampling, future, self.clock()))
+        self._queue.append(_Pending(request_id, tree, sampling, future, self.clock(), max(1, steps)))
         self._wakeup.set()
         return future
 
@@ -171,11 +185,30 @@ class VerifyBatcher:
 
     # -- the loop ---------------------------------------------------------------------
 
-    def _verify_present(self, batch: list[tuple[str, DraftTree, Sampling]]) -> dict[str, object]:
-        """On the model thread: verify the rounds whose request still holds a cache."""
+    def _verify_present(self, batch: list[tuple[str, DraftTree, Sampling]], steps: Sequence[int] = ()
+                        ) -> tuple[dict[str, VerifyOutcome], list[tuple[int, float]]]:
+        """On the model thread: verify the rounds whose request still holds a cache, then the decode runs'
+        further plain steps (`steps[i]`: tokens the i-th round asks for). Returns the outcomes by request id and
+        (rows, seconds) of every step after the first."""
         items = [item for item in batch if item[0] in self.engine]
         outcomes = self.engine.verify_batch(items) if items else []
-        return {item[0]: o for item, o in zip(items, outcomes)}
+        merged = {item[0]: o for item, o in zip(items, outcomes)}
+        more = {item[0]: n - 1 for item, n in zip(batch, steps) if n > 1 and item[0] in merged}
+        runs: list[tuple[int, float]] = []
+        while more:
+            limit = self.engine.max_context
+            plain = [(rid, DraftTree(), sampling) for rid, _, sampling in batch
+                     if more.get(rid, 0) > 0 and self.engine.context_len(rid) < limit]
+            if not plain:
+                break
+            started = time.perf_counter()
+            for (rid, *_), o in zip(plain, self.engine.verify_batch(plain)):
+                done = merged[rid]
+                merged[rid] = VerifyOutcome(done.token_ids + list(o.token_ids), done.accepted_draft)
+                more[rid] -= 1
+            runs.append((len(plain), time.perf_counter() - started))
+            more = {rid: n for rid, n in more.items() if n > 0}
+        return merged, runs
 
     async def _run(self) -> None:
         while True:
@@ -193,20 +226,25 @@ class VerifyBatcher:
                 items = [(p.request_id, tree, p.sampling) for p, tree in zip(batch, trees)]
                 context_len = max(self._context_len(p.request_id) for p in batch)
                 draft_len = max(len(t) for t in trees)
+                steps = [p.steps for p in batch]
                 started = time.perf_counter()
                 try:
-                    outcomes = await self.worker.run(self._verify_present, items)
+                    outcomes, runs = await self.worker.run(self._verify_present, items, steps)
                 except Exception as exc:  # noqa: BLE001 - every round of the batch learns of it
                     for p in batch:
                         if not p.future.done():
                             p.future.set_exception(exc)
                     continue
-                seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - started - sum(s for _, s in runs)  # the first step's
                 if outcomes:
                     self.time_model.add(Measurement(len(outcomes), context_len, draft_len, seconds))
                 if self._on_batch is not None:
                     self._on_batch(BatchStep(len(batch), seconds, sum(1 + len(t) for t in trees), deferred,
                                              len(trims), context_len, draft_len))
+                for rows, run_s in runs:  # a decode run's further steps, as the steps they are
+                    self.time_model.add(Measurement(rows, context_len, 0, run_s))
+                    if self._on_batch is not None:
+                        self._on_batch(BatchStep(rows, run_s, rows, 0, 0, context_len, 0))
                 for p in batch:
                     if p.future.done():
                         continue

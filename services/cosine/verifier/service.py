@@ -21,6 +21,8 @@ from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+MAX_DECODE_STEPS = 64  # most tokens one round may decode plainly (VerifyRound.steps)
+
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine, worker: ModelWorker, name: str = "target", tokenizer_hash: str = "", max_slots: int = 256,
@@ -75,6 +77,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except ValueError as exc:
             raise invalid(str(exc)) from exc
         return tree
+
+    @staticmethod
+    def _steps(message: verifier_pb2.VerifyRound, tree: DraftTree) -> int:
+        steps = max(1, message.steps)
+        if steps > 1 and len(tree):
+            raise invalid("a round asks for several plain steps only with an empty draft tree")
+        if steps > MAX_DECODE_STEPS:
+            raise invalid(f"a round decodes at most {MAX_DECODE_STEPS} steps, it asked for {steps}")
+        return steps
 
     async def VerifySteps(self, request_iterator, context: grpc.aio.ServicerContext):
         """A scheduler's steps: per message, releases, then the opens prefilled together (one `open_batch`),
@@ -132,7 +143,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         if rid not in held:
                             raise invalid(f"round for request {rid}, which is not open on this stream")
                         tree = self._tree(message)
-                        rounds.append((index, rid, tree, self.batcher.submit(rid, tree, held[rid]), message.trace_context))
+                        steps = self._steps(message, tree)
+                        rounds.append((index, rid, tree, self.batcher.submit(rid, tree, held[rid], steps),
+                                       message.trace_context))
                     except ServiceError as exc:
                         results[index] = self._entry_error(rid, exc.code, exc.message)
                     except Exception as exc:  # noqa: BLE001
@@ -214,12 +227,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     if request_id is None:
                         raise invalid("Verify round before open")
                     tree = self._tree(message.round)
+                    steps = self._steps(message.round, tree)
                     started = time.perf_counter()
                     # rounds of concurrent requests share forward passes (see batcher.py); queue_depth: model calls ahead
                     with self.tracing.span("verifier.verify", {"cosine.tree_size": len(tree.tokens)},
                                            parent=message.round.trace_context) as span:
                         span.set_attribute("cosine.queue_depth", self.worker.pending)
-                        outcome, batch_size = await self.batcher.verify(request_id, tree, sampling)
+                        outcome, batch_size = await self.batcher.verify(request_id, tree, sampling, steps)
                         span.set_attribute("cosine.batch_size", batch_size)
                         span.set_attribute("cosine.accepted_length", outcome.accepted_draft)
                     yield verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft,

@@ -77,13 +77,26 @@ def _costs(verify_s=0.010, commit_s=0.002, draft_step_s=0.001) -> Costs:
 
 
 def test_plain_decoding_of_one_request_has_the_known_answer():
-    # one token per step; a step is one verification (10 ms) and one commit (2 ms): every token 12 ms after the last
-    row = simulate(Deployment(drafters={"d": 1}, candidates=["d"], speculation={"disabled": True}), _costs(),
+    # one token per round trip (decode_steps 1); a step is one verification (10 ms) and one commit (2 ms): every
+    # token 12 ms after the last
+    row = simulate(Deployment(drafters={"d": 1}, candidates=["d"], speculation={"disabled": True},
+                              scheduler={"decode_steps": 1}), _costs(),
                    AcceptanceTrace(8, {}), [SimPrompt("code", 16, 20)], concurrency=1)
     assert row["tokens_per_s"] == pytest.approx(20 / (20 * 0.012))
     assert row["ttft_ms_p50"] == pytest.approx(12.0)
     assert row["tpot_ms_p50"] == pytest.approx(12.0)
     assert row["steps"] == [1] * 20
+
+
+def test_plain_decoding_in_decode_runs_has_the_known_answer():
+    # the service's default: the opening step gives the first token (12 ms); then runs of 4 steps (4 x 10 ms) and
+    # one commit (2 ms), the last run 3 steps: 12 + 4 x 42 + 32 = 212 ms for 20 tokens
+    row = simulate(Deployment(drafters={"d": 1}, candidates=["d"], speculation={"disabled": True}), _costs(),
+                   AcceptanceTrace(8, {}), [SimPrompt("code", 16, 20)], concurrency=1)
+    assert row["tokens_per_s"] == pytest.approx(20 / 0.212)
+    assert row["ttft_ms_p50"] == pytest.approx(12.0)
+    assert row["steps"] == [1] * 6  # six round trips
+    assert row["mean_accepted_len"] == pytest.approx(1.0)  # tokens per verification step: plain decoding
 
 
 def test_fixed_depth_with_every_draft_accepted_commits_depth_plus_one_per_round():
@@ -107,7 +120,8 @@ def test_a_drafter_that_is_never_right_is_truncated_to_what_the_trace_says():
 
 
 def test_concurrent_plain_requests_share_verification_steps():
-    row = simulate(Deployment(drafters={"d": 1}, candidates=["d"], speculation={"disabled": True}), _costs(),
+    row = simulate(Deployment(drafters={"d": 1}, candidates=["d"], speculation={"disabled": True},
+                              scheduler={"decode_steps": 1}), _costs(),
                    AcceptanceTrace(8, {}), [SimPrompt("code", 16, 10)] * 4, concurrency=4)
     assert max(row["steps"]) == 4  # the step loop's batch choice puts all four in one step
     assert sum(row["steps"]) == 40
@@ -183,7 +197,8 @@ def test_two_schedulers_spread_requests_over_two_verifiers():
     from cosine.plan.sim import Simulation
 
     async def main():
-        sim = Simulation(Deployment(schedulers=2, verifiers=2, speculation={"disabled": True}), _costs(), AcceptanceTrace(8, {}))
+        sim = Simulation(Deployment(schedulers=2, verifiers=2, speculation={"disabled": True}, scheduler={"decode_steps": 1}),
+                         _costs(), AcceptanceTrace(8, {}))
         records, wall = await sim.closed_loop([SimPrompt("code", 16, 10)] * 4, [0, 1, 2, 3], 4)
         await sim.close()
         return records, wall, [d.jobs for d in sim.verifier_devices]

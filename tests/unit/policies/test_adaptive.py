@@ -112,6 +112,17 @@ def test_depth_chooser_backs_off_probes_that_do_not_pay_and_resets_when_drafting
     assert [chooser.choose(costs, cap=0) for _ in range(40)] == [0] * 40
 
 
+def test_a_decode_runs_plain_tokens_count_toward_the_next_probe_as_rounds():
+    costs = SpeculationCosts(draft_step_s=0.004, verify_s=0.010, draft_overhead_s=0.005)
+    chooser = DepthChooser(RequestSpeculation(max_depth=8, prior_alpha=0.05), probe_every=8, probe_depth=2)
+    depths = []
+    for _ in range(3):  # rounds of 4 plain tokens each (one chosen, three more decoded in the run)
+        depths.append(chooser.choose(costs, cap=6))
+        if depths[-1] == 0:
+            chooser.count_plain(3)
+    assert depths == [0, 0, 2]  # 8 plain tokens in two rounds: the third probes, as the ninth single round would
+
+
 def test_tree_depth():
     assert tree_depth([]) == 0
     assert tree_depth([-1, 0, 1, 2]) == 4

@@ -70,6 +70,7 @@ class FakePorts:
         self.commits: list[int] = []  # rounds per commit call
         self.fail_verify: set[str] = set()
         self.ahead_used: list[bool] = []
+        self.runs: list[list[int]] = []  # Request.steps of each step's rounds
 
     def plan_round(self, request, room):
         return RoundOrder(min(self.depth[request.request_id], room), ["fake"])
@@ -92,9 +93,11 @@ class FakePorts:
         started = self.clock.now()
         self.opens += [r.request_id for r in opens]
         self.releases += list(releases)
+        runs = [r.steps if not len(tree) else 1 for r, tree in rounds]
         if rounds:
-            await self.clock.sleep(self.step_s(len(rounds)))
+            await self.clock.sleep(self.step_s(len(rounds)) * max(runs))
         self.steps.append(([r.request_id for r, _ in rounds], started, self.clock.now()))
+        self.runs.append(runs)
         out = []
         for request, tree in rounds:
             if request.request_id in self.fail_verify:
@@ -106,7 +109,8 @@ class FakePorts:
                 if tok != target_token(request.request_id, pos + i):
                     break
                 accepted += 1
-            tokens = [target_token(request.request_id, pos + i) for i in range(accepted + 1)]
+            plain = request.steps if not len(tree) else 1  # a decode run: that many plain steps
+            tokens = [target_token(request.request_id, pos + i) for i in range(accepted + plain)]
             out.append(Verdict(tokens, accepted))
         return out
 
@@ -139,8 +143,8 @@ def expected(rid: str, n: int) -> list[int]:
 
 
 async def run_loop(ports: FakePorts, clock: VirtualClock, requests, at: dict[str, float] | None = None, limits=None,
-                   limit_s: float = 1000.0) -> StepLoop:
-    loop = StepLoop(ports, limits or BatchLimits(max_requests=16), clock)
+                   limit_s: float = 1000.0, **options) -> StepLoop:
+    loop = StepLoop(ports, limits or BatchLimits(max_requests=16), clock, **options)
     at = at or {}
     pending = sorted(requests, key=lambda r: at.get(r.request_id, 0.0))
 
@@ -341,3 +345,35 @@ async def test_a_port_that_raises_fails_the_live_requests_and_the_loop_serves_on
     await clock.run(lambda: "b" in ports.finals)
     await loop.close()
     assert ports.out["b"] == expected("b", 5)
+
+
+async def test_plain_rounds_decode_in_runs_with_the_same_tokens_and_fewer_commits():
+    clock = VirtualClock()
+    ids = ["a", "b", "c", "d"]
+    ports = FakePorts(clock, depth={i: 0 for i in ids}, draft_s={i: 0.0 for i in ids})
+    await run_loop(ports, clock, [request(i, 10) for i in ids], decode_steps=4, decode_run_s=1.0)
+    # the opening step gives the first token at once; then runs of 4, cut to the 10 tokens asked for
+    assert [r for r in ports.runs if r] == [[1] * 4, [4] * 4, [4] * 4, [1] * 4]
+    assert ports.commits == [4] * 4
+    for i in ids:
+        assert ports.out[i] == expected(i, 10)
+        assert ports.finals[i] == common_pb2.FINISH_REASON_LENGTH
+
+
+async def test_a_step_with_a_draft_tree_runs_one_step_for_all():
+    clock = VirtualClock()
+    ports = FakePorts(clock, depth={"plain": 0, "spec": 2}, draft_s={"plain": 0.0, "spec": 0.01}, good=1)
+    await run_loop(ports, clock, [request("plain", 12), request("spec", 12)], decode_steps=4, decode_run_s=1.0)
+    for members, runs in zip((s for s, _, _ in ports.steps), ports.runs):
+        if "spec" in members:
+            assert runs == [1] * len(members)  # its verdict would otherwise wait for the plain request's run
+    assert any(r == [4] for r in ports.runs)  # alone, the plain request runs
+    assert ports.out["plain"] == expected("plain", 12) and ports.out["spec"] == expected("spec", 12)
+
+
+async def test_a_decode_run_fits_its_time_budget_by_the_recent_step_time():
+    clock = VirtualClock()
+    ports = FakePorts(clock, depth={"a": 0}, draft_s={"a": 0.0}, step_s=lambda n: 0.04)
+    await run_loop(ports, clock, [request("a", 20)], decode_steps=8, decode_run_s=0.1)
+    assert max(max(r) for r in ports.runs if r) == 2  # 0.1 s holds two steps of 0.04 s
+    assert ports.out["a"] == expected("a", 20)

@@ -169,3 +169,40 @@ async def test_nothing_starves_under_a_stream_of_better_rounds():
         await b.close()
         worker.shutdown()
     assert done.index("plain") < 15  # without the deadline it is last: every new round is worth more
+
+
+class GrowingEngine(FakeEngine):
+    """Each verified position adds one token to the request's context (up to max_context)."""
+
+    max_context = 14
+
+    def verify_batch(self, items):
+        outcomes = super().verify_batch(items)
+        for (rid, tree, _), o in zip(items, outcomes):
+            self.contexts[rid] += len(o.token_ids)
+        return [VerifyOutcome(o.token_ids[:-1] + [self.contexts[rid]], o.accepted_draft)
+                for (rid, *_), o in zip(items, outcomes)]
+
+
+async def test_a_decode_run_steps_its_requests_back_to_back_and_answers_once():
+    engine = GrowingEngine({"run": 5, "tree": 5, "one": 5, "full": 11})
+    worker = ModelWorker("test-batcher-runs")
+    steps: list[BatchStep] = []
+    b = VerifyBatcher(engine, worker, on_batch=steps.append)
+    try:
+        futures = [b.submit("run", DraftTree(), Sampling(), steps=4), b.submit("tree", chain(2), Sampling()),
+                   b.submit("one", DraftTree(), Sampling()), b.submit("full", DraftTree(), Sampling(), steps=5)]
+        (run, _), (tree, _), (one, _), (full, _) = await asyncio.gather(*futures)
+        with pytest.raises(ValueError, match="only without a draft tree"):
+            b.submit("tree", chain(1), Sampling(), steps=2)
+    finally:
+        await b.close()
+        worker.shutdown()
+    # the first step holds every round; then only the runs, while they have steps left and context
+    assert [sorted(rid for rid, _ in call) for call in engine.calls] == [
+        ["full", "one", "run", "tree"], ["full", "run"], ["full", "run"], ["run"]]
+    assert all(not len(t) for call in engine.calls[1:] for _, t in call)  # plain steps
+    assert run.token_ids == [6, 7, 8, 9] and run.accepted_draft == 0  # one token a step, in order
+    assert tree.token_ids == [1, 2, 8] and tree.accepted_draft == 2 and one.token_ids == [6]
+    assert full.token_ids == [12, 13, 14]  # stopped when its context was full
+    assert [s.size for s in steps] == [4, 2, 2, 1]  # each step reported as the step it is

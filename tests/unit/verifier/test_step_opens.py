@@ -105,3 +105,17 @@ async def test_an_open_that_fails_fails_alone():
     assert results[2].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert results[3].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert set(engine.held) == {"a", "c"}
+
+
+async def test_a_round_asking_for_several_steps_gets_them_and_bad_asks_fail_alone():
+    engine = RecordingEngine()
+    tree = common_pb2.DraftTree(token_ids=[5], parents=[-1], probs=[0.5])
+    results = await one_step(engine, [
+        opening("a"), opening("b"), opening("c"),
+        verifier_pb2.VerifyEntry(request_id="a", round=verifier_pb2.VerifyRound(steps=3)),
+        verifier_pb2.VerifyEntry(request_id="b", round=verifier_pb2.VerifyRound(tree=tree, steps=2)),
+        verifier_pb2.VerifyEntry(request_id="c", round=verifier_pb2.VerifyRound(steps=65))])
+    assert list(results[3].verdict.token_ids) == [7, 7, 7]  # three plain steps, answered at once
+    for bad in results[4:]:
+        assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "empty draft tree" in results[4].error.message and "at most 64" in results[5].error.message

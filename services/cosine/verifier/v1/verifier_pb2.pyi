@@ -20,7 +20,7 @@ class VerifyOpen(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class VerifyRound(_message.Message):
-    __slots__ = ("tree", "trace_context")
+    __slots__ = ("tree", "trace_context", "steps")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,9 +30,11 @@ class VerifyRound(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     TREE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    steps: int
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("open", "round")
