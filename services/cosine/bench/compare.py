@@ -108,10 +108,13 @@ def step_breakdown(before: dict, after: dict, wall_s: float) -> dict | None:
         return None
     step_ms = (after["step_sum"] - before["step_sum"]) / steps * 1000
     model_ms = (after["verifier"] - before["verifier"]) / batches * 1000
-    return {"steps": int(steps), "verifier_batches": int(batches),
-            "mean_batch": (after["batch_sum"] - before["batch_sum"]) / batches,
-            "wall_per_step_ms": wall_s / steps * 1000, "step_ms": step_ms, "verifier_model_ms": model_ms,
-            "grpc_queue_ms": step_ms - model_ms, "between_steps_ms": wall_s / steps * 1000 - step_ms}
+    out = {"steps": int(steps), "verifier_batches": int(batches),
+           "mean_batch": (after["batch_sum"] - before["batch_sum"]) / batches,
+           "wall_per_step_ms": wall_s / steps * 1000, "step_ms": step_ms, "verifier_model_ms": model_ms,
+           "grpc_queue_ms": step_ms - model_ms, "between_steps_ms": wall_s / steps * 1000 - step_ms}
+    if "model_step_sum" in after:  # the verification steps alone (prefills of new requests not included)
+        out["verifier_step_ms"] = (after["model_step_sum"] - before.get("model_step_sum", 0.0)) / batches * 1000
+    return out
 
 
 def cluster_speculation(best_lm: str, depth: int) -> dict[str, dict]:
@@ -383,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             return {"verifier": v, "drafters": d,
                     "batch_sum": vs.get("cosine_verifier_batch_size_sum", 0.0),
                     "batch_count": vs.get("cosine_verifier_batch_size_count", 0.0),
+                    "model_step_sum": vs.get("cosine_verifier_step_seconds_sum", 0.0),
                     "step_sum": s.get("cosine_scheduler_step_seconds_sum", 0.0),
                     "step_count": s.get("cosine_scheduler_step_seconds_count", 0.0),
                     "ahead_used": s.get('cosine_scheduler_draft_ahead_total{outcome="used"}', 0.0),
@@ -628,14 +632,16 @@ def format_table(doc: dict) -> str:
     steps = [r for r in doc["systems"] if r.get("step_ms")]
     if steps:
         lines += ["", "where a verification step's time goes (ms per step; step: send to answer at the scheduler, of which "
-                  "the verifier's model thread and gRPC/queueing; between: commit, streaming, choice, waiting for drafts):",
+                  "the verifier's model thread (prefills of new requests included) and gRPC/queueing; between: commit, "
+                  "streaming, choice, waiting for drafts; verify: the model thread's verification steps alone):",
                   f"{'system':17} {'load':>9} {'steps':>6} {'batch':>6} {'wall':>7} {'step':>7} {'model':>7} "
-                  f"{'gRPC+q':>7} {'between':>7}"]
+                  f"{'gRPC+q':>7} {'between':>7} {'verify':>7}"]
         for r in steps:
             b = r["step_ms"]
             lines.append(f"{r['name']:17} {_point_label((r['mode'], r['concurrency'], r['rate'])):>9} {b['steps']:6d} "
                          f"{b['mean_batch']:6.2f} {b['wall_per_step_ms']:7.1f} {b['step_ms']:7.1f} "
-                         f"{b['verifier_model_ms']:7.1f} {b['grpc_queue_ms']:7.1f} {b['between_steps_ms']:7.1f}")
+                         f"{b['verifier_model_ms']:7.1f} {b['grpc_queue_ms']:7.1f} {b['between_steps_ms']:7.1f} "
+                         f"{_f(b.get('verifier_step_ms'), '.1f', 7)}")
     if doc.get("accepted_len_by_drafter"):
         lines += ["", "accepted length (tokens per round) per domain, each drafter alone at fixed depth:"]
         ds = sorted({d for per in doc["accepted_len_by_drafter"].values() for d in per})

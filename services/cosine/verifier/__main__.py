@@ -75,12 +75,16 @@ async def serve(settings: VerifierSettings) -> GrpcService:
                                buckets=(0, 1, 2, 4, 8, 16, 32), registry=m.registry)
     trees_trimmed = Counter("cosine_verifier_trees_trimmed", "draft trees cut to fit the token cap of a step",
                             registry=m.registry)
+    step_seconds = Histogram("cosine_verifier_step_seconds", "the model thread's time per verification step "
+                             "(each step of a decode run on its own; prompt prefills not included)",
+                             buckets=(0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0), registry=m.registry)
 
     def on_batch(step: BatchStep) -> None:
         batch_size.observe(step.size)
         batch_tokens.observe(step.verified_tokens)
         batch_deferred.observe(step.deferred)
         trees_trimmed.inc(step.trimmed)
+        step_seconds.observe(step.seconds)
 
     limits = BatchLimits(max_tokens=settings.max_batch_tokens,
                          max_memory=int(settings.max_batch_kv_mb * 2**20) if settings.max_batch_kv_mb else None,

@@ -115,4 +115,7 @@ def test_step_breakdown_between_scrapes():
     assert b["mean_batch"] == pytest.approx(4.0) and b["steps"] == 10
     assert b["step_ms"] == pytest.approx(50.0) and b["verifier_model_ms"] == pytest.approx(40.0)
     assert b["grpc_queue_ms"] == pytest.approx(10.0) and b["between_steps_ms"] == pytest.approx(10.0)
+    assert "verifier_step_ms" not in b  # a verifier without the step histogram
+    b = compare.step_breakdown({**before, "model_step_sum": 0.0}, {**after, "model_step_sum": 0.3}, wall_s=0.6)
+    assert b["verifier_step_ms"] == pytest.approx(30.0)  # the steps alone: the other 10 ms were prefills
     assert compare.step_breakdown(before, before, 1.0) is None
