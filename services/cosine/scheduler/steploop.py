@@ -468,10 +468,14 @@ class StepLoop:
 
     def _plan_run(self, rounds: list[tuple[Request, DraftTree]], opens: list[Request]) -> None:
         """Set each round's `Request.steps`: a decode run when no round drafted and none opens (an open's
-        first token goes out at once), else one step."""
+        first token goes out at once), else one step. A run ends where the first of its requests ends (its
+        length): a request ending frees a place that a new one often takes at once (a closed-loop client
+        sends its next request), and the new one would otherwise wait for the rest of the run."""
         n = 1 if opens or any(len(tree) for _, tree in rounds) else self.run_length()
+        if n > 1:
+            n = min(request.room(max_depth=n - 1) + 1 for request, _ in rounds)
         for request, _ in rounds:
-            request.steps = 1 if n <= 1 else request.room(max_depth=n - 1) + 1
+            request.steps = n
 
     def _start_step(self, lane: Any, rounds: list[tuple[Request, DraftTree]], opens: list[Request]) -> None:
         releases = self._releases.pop(lane, [])

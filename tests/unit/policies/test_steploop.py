@@ -377,3 +377,13 @@ async def test_a_decode_run_fits_its_time_budget_by_the_recent_step_time():
     await run_loop(ports, clock, [request("a", 20)], decode_steps=8, decode_run_s=0.1)
     assert max(max(r) for r in ports.runs if r) == 2  # 0.1 s holds two steps of 0.04 s
     assert ports.out["a"] == expected("a", 20)
+
+
+async def test_a_decode_run_ends_where_its_first_request_ends():
+    clock = VirtualClock()
+    ports = FakePorts(clock, depth={"short": 0, "long": 0}, draft_s={"short": 0.0, "long": 0.0})
+    await run_loop(ports, clock, [request("short", 6), request("long", 14)], decode_steps=4, decode_run_s=1.0)
+    # after the opening step, short has 5 tokens to go: a run of 4, then one of 1 (where it ends; a request
+    # arriving then would start with the next step), then long alone
+    assert [r for r in ports.runs if r] == [[1, 1], [4, 4], [1, 1], [4], [4]]
+    assert ports.out["short"] == expected("short", 6) and ports.out["long"] == expected("long", 14)
