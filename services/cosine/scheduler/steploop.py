@@ -26,7 +26,8 @@ no more steps than fit in ``decode_run_s`` by the recent step time): the
 verifier runs the steps back to back and answers once, so a round trip, a
 commit and a stream message are paid per run instead of per token. The tokens
 are the ones single steps would give (sampling is seeded by position). A
-request arriving meanwhile waits for the run's end, at most ``decode_run_s``.
+run ends where the first of its requests ends; a request arriving meanwhile
+waits for the run's end, at most ``decode_run_s``.
 
 **Lanes.** A request stays on the verifier it was opened on (its KV cache lives there):
 ``Request.lane`` names that verifier (the adapter sets it; None when there is one). Each lane
