@@ -109,13 +109,14 @@ def test_services_dtype_reaches_the_native_engine(tiny_models, tiny_dirs):
 
 def _side_branch_round(target: NativeTarget) -> tuple[int, object]:
     """A round whose target path runs off the tree's main chain: the target's token on a side branch (node 1),
-    the main chain (node 0) wrong. Returns (the target's token, the outcome)."""
+    the main chain (node 0) wrong, and the side branch's child (node 2) wrong too, so that exactly one draft
+    token is the target's. Returns (the target's token, the outcome)."""
     prompt = [5, 17, 3, 9]
     target.open("r", prompt, len(prompt))
-    first = target.verify("r", DraftTree(), Sampling()).token_ids[0]
+    first, second = (target.verify("r", DraftTree(), Sampling()).token_ids[0] for _ in range(2))
     target.truncate("r", len(prompt))
-    wrong = (first + 1) % target.vocab_size
-    return first, target.verify("r", DraftTree([wrong, first, 7], [-1, -1, 1]), Sampling())
+    wrong, wrong_child = (first + 1) % target.vocab_size, (second + 1) % target.vocab_size
+    return first, target.verify("r", DraftTree([wrong, first, wrong_child], [-1, -1, 1]), Sampling())
 
 
 def test_bf16_with_sdpa_on_cpu_verifies_a_tree_along_its_main_chain(tiny_models):
