@@ -28,10 +28,10 @@ class GenerateOptions:
     api_key: str = ""  # sent as 'authorization: Bearer <key>' when set (the chart's router requires one)
 
 
-
 def target_passes(tokens: int, accepted: int) -> int:
     """Forward passes of the target an output took: each commits its accepted draft tokens and one of its own."""
     return max(1, tokens - accepted) if tokens else 0
+
 
 def build_request(prompt: str, options: GenerateOptions) -> router_pb2.GenerateRequest:
     request = router_pb2.GenerateRequest(stop=options.stop)
@@ -75,6 +75,7 @@ def generate(address: str, prompt: str, options: GenerateOptions, on_text: Calla
     if final is None:
         raise RuntimeError("the stream ended without a final message")
     reason = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
+    passes = target_passes(len(token_ids), final.stats.accepted_tokens)
     return {
         "request_id": reply.request_id,
         "text": "".join(text),
@@ -88,9 +89,8 @@ def generate(address: str, prompt: str, options: GenerateOptions, on_text: Calla
             "drafters": list(final.stats.drafters),
             # a forward pass of the target commits its accepted draft tokens and one of its own (a round is one pass,
             # or, decoding plainly, a decode run of several): plain decoding makes one token per pass
-            "target_passes": target_passes(len(token_ids), final.stats.accepted_tokens),
-            "tokens_per_target_pass": (len(token_ids) / target_passes(len(token_ids), final.stats.accepted_tokens)
-                                       if token_ids else 0.0),
+            "target_passes": passes,
+            "tokens_per_target_pass": len(token_ids) / passes if passes else 0.0,
         },
         "ttft_s": (first - started) if first else None,
         "elapsed_s": elapsed,

@@ -15,6 +15,8 @@ import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from cosine.client import target_passes
+
 # Figures every JSON row carries (null where a figure does not apply to the system).
 ROW_KEYS = (
     "name", "mode", "concurrency", "rate", "prompts", "tokens", "wall_s", "tokens_per_s",
@@ -174,7 +176,7 @@ def verification_steps(r: RequestRecord) -> int:
     without an accepted count, its rounds)."""
     if r.accepted is None:
         return r.rounds or 0
-    return max(1, len(r.token_ids) - r.accepted)
+    return target_passes(len(r.token_ids), r.accepted)
 
 
 def accepted_len_by_domain(records: Iterable[RequestRecord]) -> dict[str, float]:

@@ -408,11 +408,10 @@ class SimScheduler(SchedulerServicer):
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, open=verifier_pb2.VerifyOpen(
                 request_id=request.request_id, committed_token_ids=live.prompt, sampling=live.sampling,
                 prompt_len=len(live.prompt))))
-        runs = [request.steps if not len(tree) else 1 for request, tree in rounds]  # decode runs (steploop.py)
+        runs = [request.steps for request, _ in rounds]  # decode runs (steploop.py: > 1 only without trees)
         for (request, tree), k in zip(rounds, runs):
             entries.append(verifier_pb2.VerifyEntry(request_id=request.request_id, round=verifier_pb2.VerifyRound(
-                tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
-                steps=k if k > 1 else 0)))
+                tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs), steps=k)))
         link, device = sim.verifier_links[self.verifier_index], sim.verifier_devices[self.verifier_index]
         now = sim.clock.now()
         for _ in rounds:

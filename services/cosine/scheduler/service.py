@@ -794,7 +794,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             spans.append(span)
             entry = verifier_pb2.VerifyEntry(request_id=request.request_id, round=verifier_pb2.VerifyRound(
                 tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
-                steps=request.steps if request.steps > 1 and not len(tree) else 0))
+                steps=request.steps))  # > 1 only for a decode run (steploop: no tree in its step)
             self.tracing.carrier(span, entry.round.trace_context)
             entries.append(entry)
         now = self.clock.now()

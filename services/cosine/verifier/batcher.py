@@ -195,8 +195,8 @@ class VerifyBatcher:
         merged = {item[0]: o for item, o in zip(items, outcomes)}
         more = {item[0]: n - 1 for item, n in zip(batch, steps) if n > 1 and item[0] in merged}
         runs: list[tuple[int, float]] = []
+        limit = self.engine.max_context if more else 0
         while more:
-            limit = self.engine.max_context
             plain = [(rid, DraftTree(), sampling) for rid, _, sampling in batch
                      if more.get(rid, 0) > 0 and self.engine.context_len(rid) < limit]
             if not plain:
