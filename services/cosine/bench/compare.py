@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
                     "step_count": s.get("cosine_scheduler_step_seconds_count", 0.0),
                     "ahead_used": s.get('cosine_scheduler_draft_ahead_total{outcome="used"}', 0.0),
                     "ahead_discarded": s.get('cosine_scheduler_draft_ahead_total{outcome="discarded"}', 0.0),
+                    "lookup_drafted": vs.get('cosine_verifier_lookup_tokens_total{outcome="drafted"}', 0.0),
+                    "lookup_accepted": vs.get('cosine_verifier_lookup_tokens_total{outcome="accepted"}', 0.0),
                     **{k: s.get(m, 0.0) for k, m in ROUND_METRICS.items()}}
 
         # warm-up: every drafter drafts once, plain decoding once
@@ -420,6 +422,8 @@ def main(argv: list[str] | None = None) -> int:
                                   drafter_busy_s=after["drafters"] - before["drafters"])
                 row["draft_ahead_used"] = int(after["ahead_used"] - before["ahead_used"])
                 row["draft_ahead_discarded"] = int(after["ahead_discarded"] - before["ahead_discarded"])
+                row["lookup_drafted"] = int(after["lookup_drafted"] - before["lookup_drafted"])
+                row["lookup_accepted"] = int(after["lookup_accepted"] - before["lookup_accepted"])
                 row["round_ms"] = round_breakdown(before, after)
                 row["step_ms"] = step_breakdown(before, after, wall)
                 row["verifier_mean_batch"] = row["step_ms"]["mean_batch"] if row["step_ms"] else None
@@ -451,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         notes.append("outputs identical to cosine-plain's at concurrency 1 (the same engine and precision, speculation "
                      "off): " + ", ".join(same))
     S.add_ratios(rows)
-    notes += pipeline_notes(rows) + routing_notes(rows)
+    notes += pipeline_notes(rows) + routing_notes(rows) + lookup_notes(rows)
 
     meta = {
         "command": "cosine bench compare " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -567,6 +571,17 @@ def pipeline_notes(rows: list[dict]) -> list[str]:
         out.append("the pipelining switch (drafting a request's next round ahead during its verification) only acts while "
                    "the scheduler has one request in flight: at concurrency > 1 no-pipeline is the full system (the step "
                    "loop's overlap of one group's drafting with another group's verification runs in every system)")
+    return out
+
+
+def lookup_notes(rows: list[dict]) -> list[str]:
+    """How much of each cluster system's drafting was the verifier's own lookup (counted in its acc/rnd and accept)."""
+    out = [f"{row['name']} {_point_label((row['mode'], row['concurrency'], row['rate']))}: the verifier's lookup verified "
+           f"{row['lookup_drafted']} tokens with plain steps, {row['lookup_accepted']} accepted"
+           for row in rows if row.get("lookup_drafted")]
+    if out:
+        out.insert(0, "lookup (COSINE_SCHEDULER_LOOKUP_TOKENS; requests that speculate): the verifier looks each request's own "
+                      "tokens up before its plain steps and verifies what it finds with the step")
     return out
 
 

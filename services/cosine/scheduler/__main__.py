@@ -83,6 +83,10 @@ class SchedulerSettings(ServiceSettings):
     decode_run_s: float = Field(0.1, gt=0, description=(
         "a decode run has no more steps than fit in this many seconds by the recent step time (a request arriving "
         "during a run waits for its end)"))
+    lookup_tokens: int = Field(8, ge=0, le=16, description=(
+        "most tokens the verifier may look up in a request's own tokens (prompt lookup by the longest suffix match) "
+        "and verify with each plain step of it, where the request speculates: no round trip and no drafter, so it "
+        "works inside decode runs; the target accepts only what it would write anyway (0: off)"))
     handover_after_s: float | None = Field(None, ge=0, description=(
         "on SIGTERM, how long live requests may finish before they are handed over to another scheduler through "
         "Redis (unset: drain_timeout_s minus 3 s)"))
@@ -154,7 +158,8 @@ async def serve(settings: SchedulerSettings) -> GrpcService:
                              gate_window_s=settings.gate_window_s, draft_deadline_s=settings.draft_deadline_s,
                              first_draft_deadline_s=settings.first_draft_deadline_s, fusion_retry_s=settings.fusion_retry_s,
                              verify_deadline_s=settings.verify_deadline_s, open_deadline_s=settings.open_deadline_s,
-                             decode_steps=settings.decode_steps, decode_run_s=settings.decode_run_s)
+                             decode_steps=settings.decode_steps, decode_run_s=settings.decode_run_s,
+                             lookup_tokens=settings.lookup_tokens)
     servicer = SchedulerServicer(store, verifiers, fusions, config, SchedulerMetrics(service.metrics.registry), service.tracing)
     service.servicer = servicer
     service.report_load = lambda: common_pb2.LoadReport(live_requests=len(servicer.live), queued=len(servicer.live),

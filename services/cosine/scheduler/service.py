@@ -122,6 +122,7 @@ class SchedulerConfig:
     fusion_retry_s: float = 5.0  # a request decoding plainly for want of fusion tries a ready replica again after this
     decode_steps: int = 4  # most tokens of a decode run: plain steps the verifier runs back to back (1: none)
     decode_run_s: float = 0.1  # a decode run's steps fit in this, by the recent step time
+    lookup_tokens: int = 8  # most tokens the verifier looks up and verifies with each plain step of a speculating request
 
 
 def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Switches:
@@ -441,7 +442,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self._fusion_broke(live, exc, request_id=rid)
                     self.metrics.fusion_failovers.labels("plain").inc()
             entry = Request(rid, len(prompt), max_new, self.config.max_context, frozenset(stop), payload=live,
-                            lane=verifier.name)
+                            lane=verifier.name, lookup=self.config.lookup_tokens if plan.speculate else 0)
             if state is not None:
                 entry.generated, entry.step = list(generated), state.step
                 entry.rounds, entry.drafted, entry.accepted = state.rounds, state.drafted, state.accepted
@@ -794,7 +795,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             spans.append(span)
             entry = verifier_pb2.VerifyEntry(request_id=request.request_id, round=verifier_pb2.VerifyRound(
                 tree=common_pb2.DraftTree(token_ids=tree.tokens, parents=tree.parents, probs=tree.probs),
-                steps=request.steps))  # > 1 only for a decode run (steploop: no tree in its step)
+                steps=request.steps,  # > 1 only for a decode run (steploop: no tree in its step)
+                lookup=0 if len(tree) else request.lookup))
             self.tracing.carrier(span, entry.round.trace_context)
             entries.append(entry)
         now = self.clock.now()
@@ -834,7 +836,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 out.append(_entry_error(result.error))
             else:
                 v = result.verdict
-                out.append(Verdict(list(v.token_ids), v.accepted_draft, v.verify_ms / 1000))
+                out.append(Verdict(list(v.token_ids), v.accepted_draft, v.verify_ms / 1000, v.lookup_drafted, v.lookup_accepted))
         out += [ServiceError(grpc.StatusCode.INTERNAL, "the verifier answered fewer rounds than it was sent")] * (len(rounds) - len(out))
         return out
 

@@ -87,8 +87,10 @@ class Draft:
 @dataclass
 class Verdict:
     token_ids: list[int]  # accepted draft tokens + the target's own next token
-    accepted_draft: int
+    accepted_draft: int  # of token_ids, from the round's tree
     compute_s: float = 0.0  # as the verifier measured it
+    lookup_drafted: int = 0  # tokens the verifier looked up and verified with the round's plain steps
+    lookup_accepted: int = 0  # of token_ids, from its lookup
 
 
 @dataclass
@@ -135,7 +137,8 @@ class Request:
     generated: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)  # committed tokens the drafters have not seen yet
     step: int = 0  # the commit fence
-    steps: int = 1  # tokens the round being verified decodes plainly (a decode run; 1 otherwise)
+    steps: int = 1  # plain steps of the round being verified (a decode run; 1 otherwise)
+    lookup: int = 0  # most tokens the verifier may look up and verify with each of its plain steps (the adapter's)
     opened: bool = False  # the verifier holds it
     order: RoundOrder | None = None
     draft: Draft | None = None
@@ -531,7 +534,7 @@ class StepLoop:
         if not done:
             return
         t0 = self.clock.now()
-        outcomes = await self.ports.commit([(r, cut.token_ids, len(tree), min(v.accepted_draft, len(cut.token_ids)))
+        outcomes = await self.ports.commit([(r, cut.token_ids, len(tree) + v.lookup_drafted, _accepted(v, cut))
                                             for r, v, cut, tree in done])
         commit_s = self.clock.now() - t0
         for (request, verdict, cut, tree), outcome in zip(done, outcomes):
@@ -557,12 +560,13 @@ class StepLoop:
 
     def _round_done(self, request: Request, verdict: Verdict, cut: policy.RoundCut, tree: DraftTree, verify_s: float,
                     commit_s: float, batch_size: int) -> None:
-        accepted = min(verdict.accepted_draft, len(cut.token_ids))
+        accepted = _accepted(verdict, cut)
+        drafted = len(tree) + verdict.lookup_drafted
         request.generated += cut.token_ids
         request.unsent += cut.token_ids
         request.step += 1
         request.rounds += 1
-        request.drafted += len(tree)
+        request.drafted += drafted
         request.accepted += accepted
         draft = request.draft
         if draft is not None and len(tree):
@@ -574,7 +578,7 @@ class StepLoop:
                                               list(cut.token_ids), request.draft_s, verify_s, commit_s,
                                               now - request.round_started, batch_size, request.steps))
         request.draft, request.draft_s = None, 0.0
-        self.ports.emit(request, Emission(list(cut.token_ids), len(tree), accepted, cut.finish_reason))
+        self.ports.emit(request, Emission(list(cut.token_ids), drafted, accepted, cut.finish_reason))
         if cut.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._end(request)
             return
@@ -626,3 +630,8 @@ class StepLoop:
         self.requests.pop(request.request_id, None)
         if request.opened:
             self._releases.setdefault(request.lane, []).append(request.request_id)
+
+
+def _accepted(verdict: Verdict, cut: policy.RoundCut) -> int:
+    """Draft tokens among what the round keeps: the tree's and the verifier's lookup's."""
+    return min(verdict.accepted_draft + verdict.lookup_accepted, len(cut.token_ids))

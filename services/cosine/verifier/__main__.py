@@ -14,6 +14,7 @@ from cosine.common.streams import ModelWorker
 from cosine.common.v1 import common_pb2
 from cosine.common.batching import BatchLimits
 from cosine.verifier.batcher import BatchStep, VerifyBatcher
+from cosine.verifier.lookup import RunLookup
 from cosine.verifier.service import VerifierServicer
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
@@ -40,6 +41,9 @@ class VerifierSettings(ModelSettings):
     max_batch_kv_mb: float = Field(0.0, ge=0, description="objective: most KV memory (MiB) a step attends over, Σ over its "
                                    "rounds of (context + tree) positions (0: no cap; native engine only)")
     max_context: int = Field(0, ge=0, description="longest sequence per request (0: the engine's default, at most 4096 for the native engine)")
+    lookup_row_cost: float = Field(0.3, gt=0, lt=1, description="rounds that allow lookup (VerifyRound.lookup): what one more "
+                                   "verified position costs, as a share of a one-request step; a looked-up token is verified "
+                                   "where the chance the target accepts it pays for its position at the step's batch size")
 
 
 async def serve(settings: VerifierSettings) -> GrpcService:
@@ -90,9 +94,12 @@ async def serve(settings: VerifierSettings) -> GrpcService:
                          max_memory=int(settings.max_batch_kv_mb * 2**20) if settings.max_batch_kv_mb else None,
                          max_step_s=settings.max_step_ms / 1000 if settings.max_step_ms else None,
                          deadline_s=settings.deadline_ms / 1000 if settings.deadline_ms else None)
-    batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=on_batch, policy=settings.batch_policy, limits=limits)
+    batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=on_batch, policy=settings.batch_policy, limits=limits,
+                            lookup=RunLookup(settings.lookup_row_cost))
+    lookup_tokens = Counter("cosine_verifier_lookup_tokens", "tokens the verifier's lookup verified with plain steps "
+                            "(drafted) and those the target accepted (accepted)", ["outcome"], registry=m.registry)
     servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing,
-                                batcher, opened=m.requests_opened.labels("verifier"))
+                                batcher, opened=m.requests_opened.labels("verifier"), lookup_tokens=lookup_tokens)
     slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)
     slots.set_function(lambda: len(engine))
     service.servicer = servicer

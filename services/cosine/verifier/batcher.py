@@ -30,6 +30,14 @@ its tokens. Each step is the same step a round of its own would be (the
 same batch members, the same sampling positions), so the tokens are the
 same; what goes is the round trip to the scheduler and its commit per token.
 A request stops early when its context is full.
+
+**Lookup.** A round with an empty tree may also allow ``lookup`` > 0: before each of its steps the request's
+own tokens are looked up for a continuation of what it just wrote (`cosine.verifier.lookup.RunLookup`), and
+the chain found is verified with the step, so a step may commit several tokens: a run of ``steps`` steps
+gives at least that many tokens. (Every request of a run takes all its steps: the run lasts as long as its
+longest request anyway, and a request that stopped early would only wait.) The target accepts only what
+it would have written, so the tokens are the same; where the text repeats itself, fewer steps are needed.
+Looked-up positions stay within the batch's token cap, and never past a request's context.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from cosine.engine.sampling import Sampling
 from cosine.engine.hf_target import VerifyOutcome
 from cosine.engine.target import TargetEngine
 from cosine.engine.tree import DraftTree
+from cosine.verifier.lookup import RunLookup
 from cosine.common.batching import (BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed,
                                     shorten_longest_first)
 
@@ -62,7 +71,18 @@ class _Pending:
     sampling: Sampling
     future: asyncio.Future
     queued_at: float = 0.0
-    steps: int = 1  # tokens to decode plainly (an empty tree only; see "Decode runs")
+    steps: int = 1  # plain steps to decode (an empty tree only; see "Decode runs")
+    lookup: int = 0  # most looked-up tokens verified with each plain step (an empty tree only; see "Lookup")
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """A round's answer: what its steps committed."""
+
+    token_ids: list[int]  # accepted draft tokens and the target's own, step after step
+    accepted_draft: int  # of token_ids, from the round's draft tree
+    lookup_drafted: int = 0  # tokens the lookup verified with the round's steps
+    lookup_accepted: int = 0  # of token_ids, from the lookup
 
 
 @dataclass(frozen=True)
@@ -89,7 +109,7 @@ class VerifyBatcher:
     def __init__(self, engine: TargetEngine, worker: ModelWorker, max_batch: int = 16,
                  on_batch: Callable[[BatchStep], None] | None = None, policy: BatchPolicy = "fifo",
                  limits: BatchLimits | None = None, time_model: VerifyTimeModel | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, lookup: RunLookup | None = None):
         if policy not in ("fifo", "objective"):
             raise ValueError(f"batch policy must be 'fifo' or 'objective', got {policy!r}")
         self.engine = engine
@@ -100,6 +120,7 @@ class VerifyBatcher:
         self.limits = replace(limits, max_requests=min(max_batch, limits.max_requests or max_batch))
         self.time_model = time_model or VerifyTimeModel()
         self.clock = clock
+        self.lookup = lookup or RunLookup()
         self._on_batch = on_batch  # called with a BatchStep after each batch
         self._chain_only = not engine.verifies_trees  # the transformers backend verifies the main chain
         self._queue: list[_Pending] = []
@@ -107,22 +128,25 @@ class VerifyBatcher:
         self._wakeup = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
 
-    async def verify(self, request_id: str, tree: DraftTree, sampling: Sampling, steps: int = 1):
-        """(the round's outcome: accepted tokens + the target's next, the size of the batch it was verified in).
-        ``steps`` > 1 (an empty tree only): that many tokens decoded plainly, answered at once."""
-        return await self.submit(request_id, tree, sampling, steps)
+    async def verify(self, request_id: str, tree: DraftTree, sampling: Sampling, steps: int = 1, lookup: int = 0):
+        """(the round's `RoundOutcome`, the size of the batch it was verified in). ``steps`` > 1 (an empty tree
+        only): that many plain steps, answered at once; ``lookup`` > 0 (an empty tree only): each step may verify
+        up to that many looked-up tokens with it."""
+        return await self.submit(request_id, tree, sampling, steps, lookup)
 
-    def submit(self, request_id: str, tree: DraftTree, sampling: Sampling, steps: int = 1) -> asyncio.Future:
+    def submit(self, request_id: str, tree: DraftTree, sampling: Sampling, steps: int = 1, lookup: int = 0) -> asyncio.Future:
         """Queue a round without waiting: rounds submitted before the caller next awaits are chosen from
         together (a scheduler's step arrives as one message). The future resolves like `verify`."""
         if steps > 1 and len(tree):
             raise ValueError("a round decodes several steps only without a draft tree")
+        if lookup > 0 and len(tree):
+            raise ValueError("a round looks tokens up only without a draft tree")
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
         future = asyncio.get_running_loop().create_future()
         self.unanswered += 1
         future.add_done_callback(self._answered)
-        self._queue.append(_Pending(request_id, tree, sampling, future, self.clock(), max(1, steps)))
+        self._queue.append(_Pending(request_id, tree, sampling, future, self.clock(), max(1, steps), max(0, lookup)))
         self._wakeup.set()
         return future
 
@@ -185,30 +209,49 @@ class VerifyBatcher:
 
     # -- the loop ---------------------------------------------------------------------
 
-    def _verify_present(self, batch: list[tuple[str, DraftTree, Sampling]], steps: Sequence[int] = ()
-                        ) -> tuple[dict[str, VerifyOutcome], list[tuple[int, float]]]:
+    def _verify_present(self, batch: list[tuple[str, DraftTree, Sampling]], steps: Sequence[int] = (),
+                        lookups: Sequence[int] = ()) -> tuple[dict[str, RoundOutcome], list[tuple[int, int, int, float]]]:
         """On the model thread: verify the rounds whose request still holds a cache, then the decode runs'
-        further plain steps (`steps[i]`: tokens the i-th round asks for). Returns the outcomes by request id and
-        (rows, seconds) of every step after the first."""
-        items = [item for item in batch if item[0] in self.engine]
-        outcomes = self.engine.verify_batch(items) if items else []
-        merged = {item[0]: o for item, o in zip(items, outcomes)}
-        more = {item[0]: n - 1 for item, n in zip(batch, steps) if n > 1 and item[0] in merged}
-        runs: list[tuple[int, float]] = []
-        limit = self.engine.max_context if more else 0
-        while more:
-            plain = [(rid, DraftTree(), sampling) for rid, _, sampling in batch
-                     if more.get(rid, 0) > 0 and self.engine.context_len(rid) < limit]
-            if not plain:
-                break
+        further plain steps (`steps[i]`: steps the i-th round asks for), each plain step with what the lookup
+        finds where the round allows it (`lookups[i]`). Returns the outcomes by request id and, for every step,
+        (rows, positions, largest draft, seconds)."""
+        steps = list(steps) or [1] * len(batch)
+        lookups = list(lookups) or [0] * len(batch)
+        live = [(item, n, k) for item, n, k in zip(batch, steps, lookups) if item[0] in self.engine]
+        if any(k > 0 for _, _, k in live):
+            self.lookup.forget(self.engine.__contains__)
+        merged: dict[str, RoundOutcome] = {}
+        left = {item[0]: n for item, n, _ in live}
+        limit = self.engine.max_context if any(n > 1 or k > 0 for _, n, k in live) else 0  # read only where needed
+        record: list[tuple[int, int, int, float]] = []
+        while live:
+            room = self.limits.max_tokens - sum(1 + len(tree) for (_, tree, _), _, _ in live)
+            items, looked = [], []
+            for (rid, tree, sampling), _, k in live:
+                if k > 0 and not len(tree) and room > 0:
+                    committed = self.engine.committed(rid)
+                    depth = min(k, room, limit - len(committed) - 1)
+                    if depth > 0:
+                        tree = self.lookup.chain(rid, committed, depth, len(live))
+                        room -= len(tree)
+                looked.append(len(tree) if k > 0 else 0)
+                items.append((rid, tree, sampling))
             started = time.perf_counter()
-            for (rid, *_), o in zip(plain, self.engine.verify_batch(plain)):
-                done = merged[rid]
-                merged[rid] = VerifyOutcome(done.token_ids + list(o.token_ids), done.accepted_draft)
-                more[rid] -= 1
-            runs.append((len(plain), time.perf_counter() - started))
-            more = {rid: n for rid, n in more.items() if n > 0}
-        return merged, runs
+            outcomes = self.engine.verify_batch(items)
+            record.append((len(items), sum(1 + len(t) for _, t, _ in items), max(len(t) for _, t, _ in items),
+                           time.perf_counter() - started))
+            for (rid, _, _), o, n in zip(items, outcomes, looked):
+                done = merged.get(rid)
+                accepted = o.accepted_draft if n else 0  # from the lookup's chain
+                if done is None:
+                    merged[rid] = RoundOutcome(list(o.token_ids), o.accepted_draft - accepted, n, accepted)
+                else:
+                    merged[rid] = RoundOutcome(done.token_ids + list(o.token_ids), done.accepted_draft,
+                                               done.lookup_drafted + n, done.lookup_accepted + accepted)
+                left[rid] -= 1
+            live = [((rid, DraftTree(), sampling), n, k) for (rid, _, sampling), n, k in live
+                    if left[rid] > 0 and self.engine.context_len(rid) < limit]
+        return merged, record
 
     async def _run(self) -> None:
         while True:
@@ -227,24 +270,28 @@ class VerifyBatcher:
                 context_len = max(self._context_len(p.request_id) for p in batch)
                 draft_len = max(len(t) for t in trees)
                 steps = [p.steps for p in batch]
+                lookups = [p.lookup for p in batch]
                 started = time.perf_counter()
                 try:
-                    outcomes, runs = await self.worker.run(self._verify_present, items, steps)
+                    outcomes, record = await self.worker.run(self._verify_present, items, steps, lookups)
                 except Exception as exc:  # noqa: BLE001 - every round of the batch learns of it
                     for p in batch:
                         if not p.future.done():
                             p.future.set_exception(exc)
                     continue
-                seconds = time.perf_counter() - started - sum(s for _, s in runs)  # the first step's
+                runs = record[1:]  # a decode run's further steps
+                seconds = time.perf_counter() - started - sum(r[-1] for r in runs)  # the first step's
+                positions = sum(1 + len(t) for t in trees)
+                if record:  # as verified: the lookup may have lengthened the empty trees
+                    positions, draft_len = record[0][1], max(draft_len, record[0][2])
                 if outcomes:
                     self.time_model.add(Measurement(len(outcomes), context_len, draft_len, seconds))
                 if self._on_batch is not None:
-                    self._on_batch(BatchStep(len(batch), seconds, sum(1 + len(t) for t in trees), deferred,
-                                             len(trims), context_len, draft_len))
-                for rows, run_s in runs:  # a decode run's further steps, as the steps they are
-                    self.time_model.add(Measurement(rows, context_len, 0, run_s))
+                    self._on_batch(BatchStep(len(batch), seconds, positions, deferred, len(trims), context_len, draft_len))
+                for rows, run_positions, run_draft, run_s in runs:  # as the steps they are
+                    self.time_model.add(Measurement(rows, context_len, run_draft, run_s))
                     if self._on_batch is not None:
-                        self._on_batch(BatchStep(rows, run_s, rows, 0, 0, context_len, 0))
+                        self._on_batch(BatchStep(rows, run_s, run_positions, 0, 0, context_len, run_draft))
                 for p in batch:
                     if p.future.done():
                         continue

@@ -16,7 +16,8 @@ from cosine.common.convert import sampling_from_proto
 from cosine.common.v1 import common_pb2
 from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
-from cosine.verifier.batcher import Released, VerifyBatcher
+from cosine.verifier.batcher import Released, RoundOutcome, VerifyBatcher
+from cosine.verifier.lookup import MAX_LOOKUP
 from cosine.verifier.v1 import verifier_pb2, verifier_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ MAX_DECODE_STEPS = 64  # most tokens one round may decode plainly (VerifyRound.s
 
 class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     def __init__(self, engine, worker: ModelWorker, name: str = "target", tokenizer_hash: str = "", max_slots: int = 256,
-                 tracing: Tracing | None = None, batcher: VerifyBatcher | None = None, opened=None):
+                 tracing: Tracing | None = None, batcher: VerifyBatcher | None = None, opened=None, lookup_tokens=None):
         self.engine = engine
         self.batcher = batcher or VerifyBatcher(engine, worker)
         self.tracing = tracing or Tracing("verifier")
@@ -39,6 +40,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.slots_taken = 0
         self.open_ids: set[str] = set()  # request ids a stream holds here: a second open of one is refused
         self.opened = opened  # a Counter (child) of requests opened here, or None
+        self.lookup_tokens = lookup_tokens  # a Counter by outcome (drafted, accepted) of the lookup's tokens, or None
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -79,13 +81,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         return tree
 
     @staticmethod
-    def _steps(message: verifier_pb2.VerifyRound, tree: DraftTree) -> int:
+    def _steps(message: verifier_pb2.VerifyRound, tree: DraftTree) -> tuple[int, int]:
+        """(plain steps, most looked-up tokens per step) the round asks for."""
         steps = max(1, message.steps)
         if steps > 1 and len(tree):
             raise invalid("a round asks for several plain steps only with an empty draft tree")
         if steps > MAX_DECODE_STEPS:
             raise invalid(f"a round decodes at most {MAX_DECODE_STEPS} steps, it asked for {steps}")
-        return steps
+        if message.lookup and len(tree):
+            raise invalid("a round asks for lookup only with an empty draft tree")
+        if message.lookup > MAX_LOOKUP:
+            raise invalid(f"a round looks up at most {MAX_LOOKUP} tokens a step, it asked for {message.lookup}")
+        return steps, message.lookup
 
     async def VerifySteps(self, request_iterator, context: grpc.aio.ServicerContext):
         """A scheduler's steps: per message, releases, then the opens prefilled together (one `open_batch`),
@@ -143,8 +150,8 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         if rid not in held:
                             raise invalid(f"round for request {rid}, which is not open on this stream")
                         tree = self._tree(message)
-                        steps = self._steps(message, tree)
-                        rounds.append((index, rid, tree, self.batcher.submit(rid, tree, held[rid], steps),
+                        steps, lookup = self._steps(message, tree)
+                        rounds.append((index, rid, tree, self.batcher.submit(rid, tree, held[rid], steps, lookup),
                                        message.trace_context))
                     except ServiceError as exc:
                         results[index] = self._entry_error(rid, exc.code, exc.message)
@@ -200,8 +207,14 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             outcome, batch_size = await future
             span.set_attribute("cosine.batch_size", batch_size)
             span.set_attribute("cosine.accepted_length", outcome.accepted_draft)
-        return verifier_pb2.VerifyEntryResult(request_id=rid, verdict=verifier_pb2.VerifyResponse(
-            token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft))
+        return verifier_pb2.VerifyEntryResult(request_id=rid, verdict=self._verdict(outcome))
+
+    def _verdict(self, outcome: RoundOutcome) -> verifier_pb2.VerifyResponse:
+        if self.lookup_tokens is not None and outcome.lookup_drafted:
+            self.lookup_tokens.labels("drafted").inc(outcome.lookup_drafted)
+            self.lookup_tokens.labels("accepted").inc(outcome.lookup_accepted)
+        return verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft,
+                                           lookup_drafted=outcome.lookup_drafted, lookup_accepted=outcome.lookup_accepted)
 
     async def Verify(self, request_iterator, context: grpc.aio.ServicerContext):
         request_id = None
@@ -227,17 +240,18 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                     if request_id is None:
                         raise invalid("Verify round before open")
                     tree = self._tree(message.round)
-                    steps = self._steps(message.round, tree)
+                    steps, lookup = self._steps(message.round, tree)
                     started = time.perf_counter()
                     # rounds of concurrent requests share forward passes (see batcher.py); queue_depth: model calls ahead
                     with self.tracing.span("verifier.verify", {"cosine.tree_size": len(tree.tokens)},
                                            parent=message.round.trace_context) as span:
                         span.set_attribute("cosine.queue_depth", self.worker.pending)
-                        outcome, batch_size = await self.batcher.verify(request_id, tree, sampling, steps)
+                        outcome, batch_size = await self.batcher.verify(request_id, tree, sampling, steps, lookup)
                         span.set_attribute("cosine.batch_size", batch_size)
                         span.set_attribute("cosine.accepted_length", outcome.accepted_draft)
-                    yield verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft,
-                                                      verify_ms=(time.perf_counter() - started) * 1000)
+                    verdict = self._verdict(outcome)
+                    verdict.verify_ms = (time.perf_counter() - started) * 1000
+                    yield verdict
                 else:
                     raise invalid("Verify message has neither open nor round")
         finally:

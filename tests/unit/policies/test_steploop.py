@@ -387,3 +387,52 @@ async def test_a_decode_run_ends_where_its_first_request_ends():
     # arriving then would start with the next step), then long alone
     assert [r for r in ports.runs if r] == [[1, 1], [4, 4], [1, 1], [4], [4]]
     assert ports.out["short"] == expected("short", 6) and ports.out["long"] == expected("long", 14)
+
+
+class LookupPorts(FakePorts):
+    """A verifier whose lookup finds the target's next `found` tokens before every plain step of a request that
+    allows it (Request.lookup), and one wrong token after them."""
+
+    def __init__(self, *args, found: int = 2, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.found = found
+        self.committed: list[tuple[str, int, int]] = []  # (request, drafted, accepted) per commit entry
+        self.emitted: dict[str, list[tuple[int, int]]] = {}
+
+    async def verify(self, rounds, opens, releases):
+        out = await super().verify(rounds, opens, releases)
+        verdicts = []
+        for (request, tree), v in zip(rounds, out):
+            if len(tree) or not request.lookup or isinstance(v, BaseException):
+                verdicts.append(v)
+                continue
+            pos, tokens, drafted, accepted = len(request.generated), [], 0, 0
+            for _ in range(request.steps):  # each step gives the found tokens and its own
+                k = min(self.found, request.lookup)
+                tokens += [target_token(request.request_id, pos + len(tokens) + i) for i in range(k + 1)]
+                drafted, accepted = drafted + min(k + 1, request.lookup), accepted + k
+            verdicts.append(Verdict(tokens, 0, v.compute_s, drafted, accepted))
+        return verdicts
+
+    async def commit(self, rounds):
+        self.committed += [(r.request_id, drafted, accepted) for r, _, drafted, accepted in rounds]
+        return await super().commit(rounds)
+
+    def emit(self, request, emission):
+        super().emit(request, emission)
+        if emission.error is None:
+            self.emitted.setdefault(request.request_id, []).append((emission.drafted, emission.accepted))
+
+
+async def test_the_verifiers_lookup_counts_as_drafted_and_accepted_and_never_passes_the_length():
+    clock = VirtualClock()
+    ports = LookupPorts(clock, depth={"look": 0, "plain": 0}, draft_s={"look": 0.0, "plain": 0.0}, found=2)
+    look, plain = request("look", 20), request("plain", 20)
+    look.lookup = 4
+    await run_loop(ports, clock, [look, plain], decode_steps=2, decode_run_s=1.0)
+    assert ports.out["look"] == expected("look", 20) and ports.out["plain"] == expected("plain", 20)
+    assert look.accepted > 0 and look.drafted >= look.accepted and plain.drafted == plain.accepted == 0
+    assert sum(a for _, a in ports.emitted["look"]) == look.accepted
+    assert all(a <= d for d, a in ports.emitted["look"])
+    assert [(d, a) for rid, d, a in ports.committed if rid == "look"] == ports.emitted["look"]
+    assert look.rounds < plain.rounds  # three tokens a step

@@ -38,6 +38,9 @@ class RecordingEngine:
     def context_len(self, request_id):
         return len(self.held[request_id])
 
+    def committed(self, request_id):
+        return list(self.held[request_id])
+
     def open(self, request_id, committed, prompt_len):
         self.singles.append(request_id)
         if request_id in self.broken:
@@ -119,3 +122,18 @@ async def test_a_round_asking_for_several_steps_gets_them_and_bad_asks_fail_alon
     for bad in results[4:]:
         assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "empty draft tree" in results[4].error.message and "at most 64" in results[5].error.message
+
+
+async def test_a_round_allowing_lookup_gets_its_verdict_with_the_lookups_counts_and_bad_asks_fail_alone():
+    engine = RecordingEngine()
+    tree = common_pb2.DraftTree(token_ids=[5], parents=[-1], probs=[0.5])
+    results = await one_step(engine, [
+        opening("a"), opening("b"), opening("c"),
+        verifier_pb2.VerifyEntry(request_id="a", round=verifier_pb2.VerifyRound(steps=2, lookup=4)),
+        verifier_pb2.VerifyEntry(request_id="b", round=verifier_pb2.VerifyRound(tree=tree, lookup=4)),
+        verifier_pb2.VerifyEntry(request_id="c", round=verifier_pb2.VerifyRound(lookup=17))])
+    verdict = results[3].verdict
+    assert list(verdict.token_ids) == [7, 7] and verdict.lookup_accepted <= verdict.lookup_drafted
+    for bad in results[4:]:
+        assert bad.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "empty draft tree" in results[4].error.message and "at most 16" in results[5].error.message

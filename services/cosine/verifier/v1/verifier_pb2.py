@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from cosine.common.v1 import common_pb2 as cosine_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cosine/verifier/v1/verifier.proto\x12\x12\x63osine.verifier.v1\x1a\x1d\x63osine/common/v1/common.proto\"\x85\x01\n\nVerifyOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .cosine.common.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x04 \x01(\r\"\xc6\x01\n\x0bVerifyRound\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.cosine.common.v1.DraftTree\x12H\n\rtrace_context\x18\x02 \x03(\x0b\x32\x31.cosine.verifier.v1.VerifyRound.TraceContextEntry\x12\r\n\x05steps\x18\x03 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"y\n\rVerifyRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.cosine.verifier.v1.VerifyOpenH\x00\x12\x30\n\x05round\x18\x02 \x01(\x0b\x32\x1f.cosine.verifier.v1.VerifyRoundH\x00\x42\x06\n\x04kind\"N\n\x0eVerifyResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_draft\x18\x02 \x01(\r\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\"\x0f\n\rVerifyRelease\"\x0e\n\x0cVerifyOpened\"\xc1\x01\n\x0bVerifyEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x04open\x18\x02 \x01(\x0b\x32\x1e.cosine.verifier.v1.VerifyOpenH\x00\x12\x30\n\x05round\x18\x03 \x01(\x0b\x32\x1f.cosine.verifier.v1.VerifyRoundH\x00\x12\x34\n\x07release\x18\x04 \x01(\x0b\x32!.cosine.verifier.v1.VerifyReleaseH\x00\x42\x06\n\x04kind\">\n\nVerifyStep\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.cosine.verifier.v1.VerifyEntry\"1\n\x10VerifyEntryError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd1\x01\n\x11VerifyEntryResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x06opened\x18\x02 \x01(\x0b\x32 .cosine.verifier.v1.VerifyOpenedH\x00\x12\x35\n\x07verdict\x18\x03 \x01(\x0b\x32\".cosine.verifier.v1.VerifyResponseH\x00\x12\x35\n\x05\x65rror\x18\x04 \x01(\x0b\x32$.cosine.verifier.v1.VerifyEntryErrorH\x00\x42\x06\n\x04kind\"J\n\x10VerifyStepResult\x12\x36\n\x07results\x18\x01 \x03(\x0b\x32%.cosine.verifier.v1.VerifyEntryResult2\xfc\x01\n\x08Verifier\x12S\n\x06Verify\x12!.cosine.verifier.v1.VerifyRequest\x1a\".cosine.verifier.v1.VerifyResponse(\x01\x30\x01\x12W\n\x0bVerifySteps\x12\x1e.cosine.verifier.v1.VerifyStep\x1a$.cosine.verifier.v1.VerifyStepResult(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.cosine.common.v1.InfoRequest\x1a\x1b.cosine.common.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!cosine/verifier/v1/verifier.proto\x12\x12\x63osine.verifier.v1\x1a\x1d\x63osine/common/v1/common.proto\"\x85\x01\n\nVerifyOpen\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13\x63ommitted_token_ids\x18\x02 \x03(\r\x12\x32\n\x08sampling\x18\x03 \x01(\x0b\x32 .cosine.common.v1.SamplingParams\x12\x12\n\nprompt_len\x18\x04 \x01(\r\"\xd6\x01\n\x0bVerifyRound\x12)\n\x04tree\x18\x01 \x01(\x0b\x32\x1b.cosine.common.v1.DraftTree\x12H\n\rtrace_context\x18\x02 \x03(\x0b\x32\x31.cosine.verifier.v1.VerifyRound.TraceContextEntry\x12\r\n\x05steps\x18\x03 \x01(\r\x12\x0e\n\x06lookup\x18\x04 \x01(\r\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"y\n\rVerifyRequest\x12.\n\x04open\x18\x01 \x01(\x0b\x32\x1e.cosine.verifier.v1.VerifyOpenH\x00\x12\x30\n\x05round\x18\x02 \x01(\x0b\x32\x1f.cosine.verifier.v1.VerifyRoundH\x00\x42\x06\n\x04kind\"\x7f\n\x0eVerifyResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x16\n\x0e\x61\x63\x63\x65pted_draft\x18\x02 \x01(\r\x12\x11\n\tverify_ms\x18\x03 \x01(\x01\x12\x16\n\x0elookup_drafted\x18\x04 \x01(\r\x12\x17\n\x0flookup_accepted\x18\x05 \x01(\r\"\x0f\n\rVerifyRelease\"\x0e\n\x0cVerifyOpened\"\xc1\x01\n\x0bVerifyEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x04open\x18\x02 \x01(\x0b\x32\x1e.cosine.verifier.v1.VerifyOpenH\x00\x12\x30\n\x05round\x18\x03 \x01(\x0b\x32\x1f.cosine.verifier.v1.VerifyRoundH\x00\x12\x34\n\x07release\x18\x04 \x01(\x0b\x32!.cosine.verifier.v1.VerifyReleaseH\x00\x42\x06\n\x04kind\">\n\nVerifyStep\x12\x30\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1f.cosine.verifier.v1.VerifyEntry\"1\n\x10VerifyEntryError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xd1\x01\n\x11VerifyEntryResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x32\n\x06opened\x18\x02 \x01(\x0b\x32 .cosine.verifier.v1.VerifyOpenedH\x00\x12\x35\n\x07verdict\x18\x03 \x01(\x0b\x32\".cosine.verifier.v1.VerifyResponseH\x00\x12\x35\n\x05\x65rror\x18\x04 \x01(\x0b\x32$.cosine.verifier.v1.VerifyEntryErrorH\x00\x42\x06\n\x04kind\"J\n\x10VerifyStepResult\x12\x36\n\x07results\x18\x01 \x03(\x0b\x32%.cosine.verifier.v1.VerifyEntryResult2\xfc\x01\n\x08Verifier\x12S\n\x06Verify\x12!.cosine.verifier.v1.VerifyRequest\x1a\".cosine.verifier.v1.VerifyResponse(\x01\x30\x01\x12W\n\x0bVerifySteps\x12\x1e.cosine.verifier.v1.VerifyStep\x1a$.cosine.verifier.v1.VerifyStepResult(\x01\x30\x01\x12\x42\n\x04Info\x12\x1d.cosine.common.v1.InfoRequest\x1a\x1b.cosine.common.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,27 +37,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYOPEN']._serialized_start=89
   _globals['_VERIFYOPEN']._serialized_end=222
   _globals['_VERIFYROUND']._serialized_start=225
-  _globals['_VERIFYROUND']._serialized_end=423
-  _globals['_VERIFYROUND_TRACECONTEXTENTRY']._serialized_start=372
-  _globals['_VERIFYROUND_TRACECONTEXTENTRY']._serialized_end=423
-  _globals['_VERIFYREQUEST']._serialized_start=425
-  _globals['_VERIFYREQUEST']._serialized_end=546
-  _globals['_VERIFYRESPONSE']._serialized_start=548
-  _globals['_VERIFYRESPONSE']._serialized_end=626
-  _globals['_VERIFYRELEASE']._serialized_start=628
-  _globals['_VERIFYRELEASE']._serialized_end=643
-  _globals['_VERIFYOPENED']._serialized_start=645
-  _globals['_VERIFYOPENED']._serialized_end=659
-  _globals['_VERIFYENTRY']._serialized_start=662
-  _globals['_VERIFYENTRY']._serialized_end=855
-  _globals['_VERIFYSTEP']._serialized_start=857
-  _globals['_VERIFYSTEP']._serialized_end=919
-  _globals['_VERIFYENTRYERROR']._serialized_start=921
-  _globals['_VERIFYENTRYERROR']._serialized_end=970
-  _globals['_VERIFYENTRYRESULT']._serialized_start=973
-  _globals['_VERIFYENTRYRESULT']._serialized_end=1182
-  _globals['_VERIFYSTEPRESULT']._serialized_start=1184
-  _globals['_VERIFYSTEPRESULT']._serialized_end=1258
-  _globals['_VERIFIER']._serialized_start=1261
-  _globals['_VERIFIER']._serialized_end=1513
+  _globals['_VERIFYROUND']._serialized_end=439
+  _globals['_VERIFYROUND_TRACECONTEXTENTRY']._serialized_start=388
+  _globals['_VERIFYROUND_TRACECONTEXTENTRY']._serialized_end=439
+  _globals['_VERIFYREQUEST']._serialized_start=441
+  _globals['_VERIFYREQUEST']._serialized_end=562
+  _globals['_VERIFYRESPONSE']._serialized_start=564
+  _globals['_VERIFYRESPONSE']._serialized_end=691
+  _globals['_VERIFYRELEASE']._serialized_start=693
+  _globals['_VERIFYRELEASE']._serialized_end=708
+  _globals['_VERIFYOPENED']._serialized_start=710
+  _globals['_VERIFYOPENED']._serialized_end=724
+  _globals['_VERIFYENTRY']._serialized_start=727
+  _globals['_VERIFYENTRY']._serialized_end=920
+  _globals['_VERIFYSTEP']._serialized_start=922
+  _globals['_VERIFYSTEP']._serialized_end=984
+  _globals['_VERIFYENTRYERROR']._serialized_start=986
+  _globals['_VERIFYENTRYERROR']._serialized_end=1035
+  _globals['_VERIFYENTRYRESULT']._serialized_start=1038
+  _globals['_VERIFYENTRYRESULT']._serialized_end=1247
+  _globals['_VERIFYSTEPRESULT']._serialized_start=1249
+  _globals['_VERIFYSTEPRESULT']._serialized_end=1323
+  _globals['_VERIFIER']._serialized_start=1326
+  _globals['_VERIFIER']._serialized_end=1578
 # @@protoc_insertion_point(module_scope)

@@ -20,7 +20,7 @@ class VerifyOpen(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., committed_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., prompt_len: _Optional[int] = ...) -> None: ...
 
 class VerifyRound(_message.Message):
-    __slots__ = ("tree", "trace_context", "steps")
+    __slots__ = ("tree", "trace_context", "steps", "lookup")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -31,10 +31,12 @@ class VerifyRound(_message.Message):
     TREE_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
     tree: _common_pb2.DraftTree
     trace_context: _containers.ScalarMap[str, str]
     steps: int
-    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., steps: _Optional[int] = ...) -> None: ...
+    lookup: int
+    def __init__(self, tree: _Optional[_Union[_common_pb2.DraftTree, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., steps: _Optional[int] = ..., lookup: _Optional[int] = ...) -> None: ...
 
 class VerifyRequest(_message.Message):
     __slots__ = ("open", "round")
@@ -45,14 +47,18 @@ class VerifyRequest(_message.Message):
     def __init__(self, open: _Optional[_Union[VerifyOpen, _Mapping]] = ..., round: _Optional[_Union[VerifyRound, _Mapping]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("token_ids", "accepted_draft", "verify_ms")
+    __slots__ = ("token_ids", "accepted_draft", "verify_ms", "lookup_drafted", "lookup_accepted")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_DRAFT_FIELD_NUMBER: _ClassVar[int]
     VERIFY_MS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_draft: int
     verify_ms: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted_draft: _Optional[int] = ..., verify_ms: _Optional[float] = ...) -> None: ...
+    lookup_drafted: int
+    lookup_accepted: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., accepted_draft: _Optional[int] = ..., verify_ms: _Optional[float] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ...) -> None: ...
 
 class VerifyRelease(_message.Message):
     __slots__ = ()
