@@ -194,9 +194,13 @@ def summary_line(result: dict) -> str:
     s = result["stats"]
     n = len(result["token_ids"])
     line = f"[{result['finish_reason']}; {n} tokens in {s.get('target_passes', s['rounds'])} target passes"
-    if s["drafted_tokens"]:
-        line += (f" ({s['tokens_per_target_pass']:.2f} tokens per pass; plain decoding makes 1.00), "
-                 f"{s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted")
+    looked = s.get("lookup_drafted_tokens", 0)
+    if s["drafted_tokens"] or looked:
+        line += f" ({s['tokens_per_target_pass']:.2f} tokens per pass; plain decoding makes 1.00)"
+        if s["drafted_tokens"]:
+            line += f", {s['accepted_tokens']}/{s['drafted_tokens']} drafted tokens accepted"
+        if looked:
+            line += f", {s.get('lookup_accepted_tokens', 0)}/{looked} looked-up tokens accepted"
     else:
         line += " (nothing drafted: plain decoding)"
     return line + f", {result['tokens_per_s']:.1f} tokens/s end to end]"

@@ -75,7 +75,7 @@ def generate(address: str, prompt: str, options: GenerateOptions, on_text: Calla
     if final is None:
         raise RuntimeError("the stream ended without a final message")
     reason = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_").lower()
-    passes = target_passes(len(token_ids), final.stats.accepted_tokens)
+    passes = target_passes(len(token_ids), final.stats.accepted_tokens + final.stats.lookup_accepted_tokens)
     return {
         "request_id": reply.request_id,
         "text": "".join(text),
@@ -86,6 +86,8 @@ def generate(address: str, prompt: str, options: GenerateOptions, on_text: Calla
             "rounds": final.stats.rounds,
             "drafted_tokens": final.stats.drafted_tokens,
             "accepted_tokens": final.stats.accepted_tokens,
+            "lookup_drafted_tokens": final.stats.lookup_drafted_tokens,
+            "lookup_accepted_tokens": final.stats.lookup_accepted_tokens,
             "drafters": list(final.stats.drafters),
             # a forward pass of the target commits its accepted draft tokens and one of its own (a round is one pass,
             # or, decoding plainly, a decode run of several): plain decoding makes one token per pass

@@ -36,7 +36,9 @@ def test_public_contract():
     assert {f.name for f in resp.oneofs[0].fields} == {"chunk", "final"}
     final = resp.fields_by_name["final"].message_type
     assert {f.name for f in final.fields} == {"finish_reason", "usage", "stats"}
-    assert {f.name for f in final.fields_by_name["stats"].message_type.fields} == {"rounds", "drafted_tokens", "accepted_tokens", "drafters"}
+    stats = final.fields_by_name["stats"].message_type
+    assert {f.name: f.number for f in stats.fields} == {"rounds": 1, "drafted_tokens": 2, "accepted_tokens": 3, "drafters": 4,
+                                                         "lookup_drafted_tokens": 5, "lookup_accepted_tokens": 6}
 
 
 def test_enums_start_unspecified():

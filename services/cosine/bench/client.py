@@ -60,7 +60,10 @@ def generate(stub, prompt, speculation: dict, max_new: int, prompt_index: int, a
                 rec.token_times_s += [now] * len(ids)
             else:
                 stats = reply.final.stats
-                rec.rounds, rec.drafted, rec.accepted = stats.rounds, stats.drafted_tokens, stats.accepted_tokens
+                # the drafters' and the verifier's lookup's together: both are draft tokens the target checked
+                rec.rounds = stats.rounds
+                rec.drafted = stats.drafted_tokens + stats.lookup_drafted_tokens
+                rec.accepted = stats.accepted_tokens + stats.lookup_accepted_tokens
                 rec.drafters = list(stats.drafters)
         rec.end_s = time.perf_counter() - t0
     except grpc.RpcError as exc:

@@ -246,6 +246,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                         finish = reply.final.finish_reason
                         stats.rounds, stats.drafted_tokens = reply.final.stats.rounds, reply.final.stats.drafted_tokens
                         stats.accepted_tokens = reply.final.stats.accepted_tokens
+                        stats.lookup_drafted_tokens = reply.final.stats.lookup_drafted_tokens
+                        stats.lookup_accepted_tokens = reply.final.stats.lookup_accepted_tokens
                         del stats.drafters[:]  # the drafters that drafted, as the scheduler's routing chose them
                         stats.drafters.extend(reply.final.stats.drafters)
                     elif kind == "handover":  # the scheduler is stopping: the request goes on elsewhere

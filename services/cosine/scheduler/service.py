@@ -442,7 +442,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     self._fusion_broke(live, exc, request_id=rid)
                     self.metrics.fusion_failovers.labels("plain").inc()
             entry = Request(rid, len(prompt), max_new, self.config.max_context, frozenset(stop), payload=live,
-                            lane=verifier.name, lookup=self.config.lookup_tokens if plan.speculate else 0)
+                            lane=verifier.name, lookup=self.config.lookup_tokens if plan.speculate and plan.depth is not None else 0)
             if state is not None:
                 entry.generated, entry.step = list(generated), state.step
                 entry.rounds, entry.drafted, entry.accepted = state.rounds, state.drafted, state.accepted
@@ -469,7 +469,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if emission.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                     status, reason = "finished", common_pb2.FinishReason.Name(emission.finish_reason)
                     stats = common_pb2.Stats(rounds=entry.rounds, drafted_tokens=entry.drafted, accepted_tokens=entry.accepted,
-                                             drafters=entry.drafters_used)
+                                             drafters=entry.drafters_used, lookup_drafted_tokens=entry.lookup_drafted,
+                                             lookup_accepted_tokens=entry.lookup_accepted)
                     yield scheduler_pb2.SubmitResponse(request_id=rid, final=scheduler_pb2.SubmitFinal(
                         finish_reason=emission.finish_reason, stats=stats))
                     return

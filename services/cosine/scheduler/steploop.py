@@ -139,6 +139,8 @@ class Request:
     step: int = 0  # the commit fence
     steps: int = 1  # plain steps of the round being verified (a decode run; 1 otherwise)
     lookup: int = 0  # most tokens the verifier may look up and verify with each of its plain steps (the adapter's)
+    lookup_drafted: int = 0  # tokens the verifier looked up for it (not in drafted)
+    lookup_accepted: int = 0  # of those, accepted (not in accepted)
     opened: bool = False  # the verifier holds it
     order: RoundOrder | None = None
     draft: Draft | None = None
@@ -534,7 +536,7 @@ class StepLoop:
         if not done:
             return
         t0 = self.clock.now()
-        outcomes = await self.ports.commit([(r, cut.token_ids, len(tree) + v.lookup_drafted, _accepted(v, cut))
+        outcomes = await self.ports.commit([(r, cut.token_ids, len(tree), min(v.accepted_draft, len(cut.token_ids)))
                                             for r, v, cut, tree in done])
         commit_s = self.clock.now() - t0
         for (request, verdict, cut, tree), outcome in zip(done, outcomes):
@@ -560,13 +562,14 @@ class StepLoop:
 
     def _round_done(self, request: Request, verdict: Verdict, cut: policy.RoundCut, tree: DraftTree, verify_s: float,
                     commit_s: float, batch_size: int) -> None:
-        accepted = _accepted(verdict, cut)
-        drafted = len(tree) + verdict.lookup_drafted
+        accepted = min(verdict.accepted_draft, len(cut.token_ids))
         request.generated += cut.token_ids
         request.unsent += cut.token_ids
         request.step += 1
         request.rounds += 1
-        request.drafted += drafted
+        request.drafted += len(tree)
+        request.lookup_drafted += verdict.lookup_drafted
+        request.lookup_accepted += min(verdict.lookup_accepted, len(cut.token_ids) - accepted)
         request.accepted += accepted
         draft = request.draft
         if draft is not None and len(tree):
@@ -578,7 +581,7 @@ class StepLoop:
                                               list(cut.token_ids), request.draft_s, verify_s, commit_s,
                                               now - request.round_started, batch_size, request.steps))
         request.draft, request.draft_s = None, 0.0
-        self.ports.emit(request, Emission(list(cut.token_ids), drafted, accepted, cut.finish_reason))
+        self.ports.emit(request, Emission(list(cut.token_ids), len(tree), accepted, cut.finish_reason))
         if cut.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._end(request)
             return
@@ -631,7 +634,3 @@ class StepLoop:
         if request.opened:
             self._releases.setdefault(request.lane, []).append(request.request_id)
 
-
-def _accepted(verdict: Verdict, cut: policy.RoundCut) -> int:
-    """Draft tokens among what the round keeps: the tree's and the verifier's lookup's."""
-    return min(verdict.accepted_draft + verdict.lookup_accepted, len(cut.token_ids))

@@ -36,7 +36,7 @@ own tokens are looked up for a continuation of what it just wrote (`cosine.verif
 the chain found is verified with the step, so a step may commit several tokens: a run of ``steps`` steps
 gives at least that many tokens. (Every request of a run takes all its steps: the run lasts as long as its
 longest request anyway, and a request that stopped early would only wait.) The target accepts only what
-it would have written, so the tokens are the same; where the text repeats itself, fewer steps are needed.
+it would have written, so the tokens are the same; where the text repeats itself, a step commits more.
 Looked-up positions stay within the batch's token cap, and never past a request's context.
 """
 
@@ -50,7 +50,6 @@ from typing import Literal
 
 from cosine.common.streams import ModelWorker
 from cosine.engine.sampling import Sampling
-from cosine.engine.hf_target import VerifyOutcome
 from cosine.engine.target import TargetEngine
 from cosine.engine.tree import DraftTree
 from cosine.verifier.lookup import RunLookup

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63osine/common/v1/common.proto\x12\x10\x63osine.common.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x85\x02\n\x11SpeculationParams\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x10\n\x08\x64rafters\x18\x02 \x03(\t\x12\x16\n\tmax_depth\x18\x03 \x01(\rH\x00\x88\x01\x01\x12,\n\x06\x66usion\x18\x04 \x01(\x0e\x32\x1c.cosine.common.v1.FusionMode\x12\x14\n\x07routing\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x0e\x61\x64\x61ptive_depth\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x17\n\npipelining\x18\x07 \x01(\x08H\x03\x88\x01\x01\x42\x0c\n\n_max_depthB\n\n\x08_routingB\x11\n\x0f_adaptive_depthB\r\n\x0b_pipelining\"Z\n\x05Stats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x64rafters\x18\x04 \x03(\t\">\n\tDraftTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"x\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x0e\n\x06\x64omain\x18\x06 \x01(\t\"\r\n\x0bInfoRequest\"\x7f\n\tPromptFit\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\r\x12\x0c\n\x04hits\x18\x03 \x01(\r\x12\x16\n\x0e\x63onfidence_sum\x18\x04 \x01(\x01\x12\x13\n\x0blogprob_sum\x18\x05 \x01(\x01\x12\x13\n\x0bhas_logprob\x18\x06 \x01(\x08\"\r\n\x0bLoadRequest\"j\n\nLoadReport\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x15\n\rlive_requests\x18\x02 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x14\n\x0c\x62usy_seconds\x18\x05 \x01(\x01*t\n\nFusionMode\x12\x1b\n\x17\x46USION_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46USION_MODE_CONFIDENCE\x10\x01\x12\x15\n\x11\x46USION_MODE_MERGE\x10\x02\x12\x16\n\x12\x46USION_MODE_SINGLE\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32M\n\x04Load\x12\x45\n\x06Report\x12\x1d.cosine.common.v1.LoadRequest\x1a\x1c.cosine.common.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1d\x63osine/common/v1/common.proto\x12\x10\x63osine.common.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"\x85\x02\n\x11SpeculationParams\x12\x10\n\x08\x64isabled\x18\x01 \x01(\x08\x12\x10\n\x08\x64rafters\x18\x02 \x03(\t\x12\x16\n\tmax_depth\x18\x03 \x01(\rH\x00\x88\x01\x01\x12,\n\x06\x66usion\x18\x04 \x01(\x0e\x32\x1c.cosine.common.v1.FusionMode\x12\x14\n\x07routing\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1b\n\x0e\x61\x64\x61ptive_depth\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x17\n\npipelining\x18\x07 \x01(\x08H\x03\x88\x01\x01\x42\x0c\n\n_max_depthB\n\n\x08_routingB\x11\n\x0f_adaptive_depthB\r\n\x0b_pipelining\"\x99\x01\n\x05Stats\x12\x0e\n\x06rounds\x18\x01 \x01(\r\x12\x16\n\x0e\x64rafted_tokens\x18\x02 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x03 \x01(\r\x12\x10\n\x08\x64rafters\x18\x04 \x03(\t\x12\x1d\n\x15lookup_drafted_tokens\x18\x05 \x01(\r\x12\x1e\n\x16lookup_accepted_tokens\x18\x06 \x01(\r\">\n\tDraftTree\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0f\n\x07parents\x18\x02 \x03(\x05\x12\r\n\x05probs\x18\x03 \x03(\x02\"x\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x0e\n\x06\x64omain\x18\x06 \x01(\t\"\r\n\x0bInfoRequest\"\x7f\n\tPromptFit\x12\x0f\n\x07\x64rafter\x18\x01 \x01(\t\x12\x11\n\tpositions\x18\x02 \x01(\r\x12\x0c\n\x04hits\x18\x03 \x01(\r\x12\x16\n\x0e\x63onfidence_sum\x18\x04 \x01(\x01\x12\x13\n\x0blogprob_sum\x18\x05 \x01(\x01\x12\x13\n\x0bhas_logprob\x18\x06 \x01(\x08\"\r\n\x0bLoadRequest\"j\n\nLoadReport\x12\r\n\x05ready\x18\x01 \x01(\x08\x12\x15\n\rlive_requests\x18\x02 \x01(\r\x12\x10\n\x08\x63\x61pacity\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x14\n\x0c\x62usy_seconds\x18\x05 \x01(\x01*t\n\nFusionMode\x12\x1b\n\x17\x46USION_MODE_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x46USION_MODE_CONFIDENCE\x10\x01\x12\x15\n\x11\x46USION_MODE_MERGE\x10\x02\x12\x16\n\x12\x46USION_MODE_SINGLE\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x19\n\x15\x46INISH_REASON_CONTEXT\x10\x04\x32M\n\x04Load\x12\x45\n\x06Report\x12\x1d.cosine.common.v1.LoadRequest\x1a\x1c.cosine.common.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cosine.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FUSIONMODE']._serialized_start=972
-  _globals['_FUSIONMODE']._serialized_end=1088
-  _globals['_FINISHREASON']._serialized_start=1091
-  _globals['_FINISHREASON']._serialized_end=1236
+  _globals['_FUSIONMODE']._serialized_start=1036
+  _globals['_FUSIONMODE']._serialized_end=1152
+  _globals['_FINISHREASON']._serialized_start=1155
+  _globals['_FINISHREASON']._serialized_end=1300
   _globals['_SAMPLINGPARAMS']._serialized_start=51
   _globals['_SAMPLINGPARAMS']._serialized_end=161
   _globals['_SPECULATIONPARAMS']._serialized_start=164
   _globals['_SPECULATIONPARAMS']._serialized_end=425
-  _globals['_STATS']._serialized_start=427
-  _globals['_STATS']._serialized_end=517
-  _globals['_DRAFTTREE']._serialized_start=519
-  _globals['_DRAFTTREE']._serialized_end=581
-  _globals['_MODELINFO']._serialized_start=583
-  _globals['_MODELINFO']._serialized_end=703
-  _globals['_INFOREQUEST']._serialized_start=705
-  _globals['_INFOREQUEST']._serialized_end=718
-  _globals['_PROMPTFIT']._serialized_start=720
-  _globals['_PROMPTFIT']._serialized_end=847
-  _globals['_LOADREQUEST']._serialized_start=849
-  _globals['_LOADREQUEST']._serialized_end=862
-  _globals['_LOADREPORT']._serialized_start=864
-  _globals['_LOADREPORT']._serialized_end=970
-  _globals['_LOAD']._serialized_start=1238
-  _globals['_LOAD']._serialized_end=1315
+  _globals['_STATS']._serialized_start=428
+  _globals['_STATS']._serialized_end=581
+  _globals['_DRAFTTREE']._serialized_start=583
+  _globals['_DRAFTTREE']._serialized_end=645
+  _globals['_MODELINFO']._serialized_start=647
+  _globals['_MODELINFO']._serialized_end=767
+  _globals['_INFOREQUEST']._serialized_start=769
+  _globals['_INFOREQUEST']._serialized_end=782
+  _globals['_PROMPTFIT']._serialized_start=784
+  _globals['_PROMPTFIT']._serialized_end=911
+  _globals['_LOADREQUEST']._serialized_start=913
+  _globals['_LOADREQUEST']._serialized_end=926
+  _globals['_LOADREPORT']._serialized_start=928
+  _globals['_LOADREPORT']._serialized_end=1034
+  _globals['_LOAD']._serialized_start=1302
+  _globals['_LOAD']._serialized_end=1379
 # @@protoc_insertion_point(module_scope)

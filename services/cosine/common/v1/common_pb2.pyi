@@ -62,16 +62,20 @@ class SpeculationParams(_message.Message):
     def __init__(self, disabled: _Optional[bool] = ..., drafters: _Optional[_Iterable[str]] = ..., max_depth: _Optional[int] = ..., fusion: _Optional[_Union[FusionMode, str]] = ..., routing: _Optional[bool] = ..., adaptive_depth: _Optional[bool] = ..., pipelining: _Optional[bool] = ...) -> None: ...
 
 class Stats(_message.Message):
-    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "drafters")
+    __slots__ = ("rounds", "drafted_tokens", "accepted_tokens", "drafters", "lookup_drafted_tokens", "lookup_accepted_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTERS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: int
     drafted_tokens: int
     accepted_tokens: int
     drafters: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ...) -> None: ...
+    lookup_drafted_tokens: int
+    lookup_accepted_tokens: int
+    def __init__(self, rounds: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., drafters: _Optional[_Iterable[str]] = ..., lookup_drafted_tokens: _Optional[int] = ..., lookup_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("token_ids", "parents", "probs")
