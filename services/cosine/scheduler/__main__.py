@@ -85,8 +85,8 @@ class SchedulerSettings(ServiceSettings):
         "during a run waits for its end)"))
     lookup_tokens: int = Field(8, ge=0, le=16, description=(
         "most tokens the verifier may look up in a request's own tokens (prompt lookup by the longest suffix match) "
-        "and verify with each plain step of it, where the request speculates: no round trip and no drafter, so it "
-        "works inside decode runs; the target accepts only what it would write anyway (0: off)"))
+        "and verify with each plain step of it, for a request under adaptive speculation: no round trip and no "
+        "drafter, so it works inside decode runs; the target accepts only what it would write anyway (0: off)"))
     handover_after_s: float | None = Field(None, ge=0, description=(
         "on SIGTERM, how long live requests may finish before they are handed over to another scheduler through "
         "Redis (unset: drain_timeout_s minus 3 s)"))

@@ -122,7 +122,7 @@ class SchedulerConfig:
     fusion_retry_s: float = 5.0  # a request decoding plainly for want of fusion tries a ready replica again after this
     decode_steps: int = 4  # most tokens of a decode run: plain steps the verifier runs back to back (1: none)
     decode_run_s: float = 0.1  # a decode run's steps fit in this, by the recent step time
-    lookup_tokens: int = 8  # most tokens the verifier looks up and verifies with each plain step of a speculating request
+    lookup_tokens: int = 8  # most tokens the verifier looks up and verifies with each plain step of an adaptive request
 
 
 def request_switches(server: Switches, spec: common_pb2.SpeculationParams) -> Switches:

@@ -633,4 +633,3 @@ class StepLoop:
         self.requests.pop(request.request_id, None)
         if request.opened:
             self._releases.setdefault(request.lane, []).append(request.request_id)
-
