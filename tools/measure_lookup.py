@@ -1,11 +1,13 @@
-"""The verifier's lookup on the real target, engine only: plain steps against plain steps with lookup, interleaved.
+"""The verifier's own drafting on the real target, engine only: plain steps against plain steps with the lookup,
+and with the lookup and the feature head (where `cosine zoo head` trained one), interleaved.
 
     PYTHONPATH=services python tools/measure_lookup.py --dtype bfloat16 --rounds 3
 
 The bench's workload (`cosine bench compare`'s prompts: code, docs, literary, chat; `--per-domain` each) is decoded
 greedily, `--tokens` new tokens per prompt, one request at a time (batch 1), by `VerifyBatcher` over the native
-target — once with plain steps and once with the lookup (`VerifyRound.lookup` = `--lookup`) — prompt by prompt,
-alternating which goes first, so machine drift falls on both alike. No gRPC, no other process: this is what the
+target — with plain steps, with the lookup (`VerifyRound.lookup` = `--lookup`), and with the lookup and the
+feature head — prompt by prompt, rotating which goes first, so machine drift falls on all alike. The prompts are
+the bench's, not the zoo's: the head never trained on them. No gRPC, no other process: this is what the
 lookup does to the model thread's time per token, the cluster's overheads aside. Prints per mode the model
 steps, tokens per step, ms per token (sum over the prompts) and the ratio; the outputs must be identical.
 """
@@ -28,19 +30,22 @@ from cosine.verifier.lookup import RunLookup
 from cosine.zoo.registry import TARGET, cache_root, path_of
 
 
-async def decode(worker: ModelWorker, target, prompt: list[int], tokens: int, lookup: int, row_cost: float,
-                 run: int) -> tuple[list[int], int, float]:
-    """(tokens, model steps, seconds) of one greedy decode of ``tokens`` tokens, runs of ``run`` steps."""
+async def decode(worker: ModelWorker, target, prompt: list[int], tokens: int, lookup: int, finder: RunLookup,
+                 run: int) -> tuple[list[int], int, float, int, int]:
+    """(tokens, model steps, seconds, head tokens drafted, accepted) of one greedy decode of ``tokens`` tokens,
+    runs of ``run`` steps."""
     await worker.run(target.open, "m", prompt, len(prompt))
     steps = []
-    b = VerifyBatcher(target, worker, on_batch=steps.append, lookup=RunLookup(row_cost))
+    b = VerifyBatcher(target, worker, on_batch=steps.append, lookup=finder)
     out: list[int] = []
+    drafted = accepted = 0
     try:
         started = time.perf_counter()
         while len(out) < tokens:
             o, _ = await b.verify("m", DraftTree(), Sampling(), min(run, tokens - len(out)), lookup)
             out += o.token_ids
-        return out[:tokens], len(steps), time.perf_counter() - started
+            drafted, accepted = drafted + o.head_drafted, accepted + o.head_accepted
+        return out[:tokens], len(steps), time.perf_counter() - started, drafted, accepted
     finally:
         await b.close()
         await worker.run(target.release, "m")
@@ -56,6 +61,7 @@ def main() -> None:
     ap.add_argument("--row-cost", type=float, default=0.3, help="the lookup's cost rule (COSINE_VERIFIER_LOOKUP_ROW_COST)")
     ap.add_argument("--run", type=int, default=4, help="steps per round (a decode run)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--head", default="auto", help="the feature head (COSINE_VERIFIER_FEATURE_HEAD; off: lookup only)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -66,7 +72,14 @@ def main() -> None:
     workload = build_workload(args.per_domain, args.seed, cache_root())
     prompts = [p.token_ids(tok) for p in workload]
     target = make_target(path, "cpu", args.dtype, n_slots=2, max_context=2048, backend="native")
-    totals = {m: [0, 0, 0.0] for m in ("plain", "lookup")}
+    from cosine.engine.feature_head import load_for_target
+
+    head = load_for_target(args.head, path, args.dtype)
+    finders = {"plain": RunLookup(args.row_cost), "lookup": RunLookup(args.row_cost)}
+    if head is not None:
+        finders["head"] = RunLookup(args.row_cost, head=head)
+    modes = list(finders)
+    totals = {m: [0, 0, 0.0, 0, 0] for m in modes}
     same = 0
 
     async def measure():
@@ -74,18 +87,20 @@ def main() -> None:
         worker = ModelWorker("measure-lookup")  # one model thread throughout, as in the verifier
         await worker.run(torch.set_num_threads, args.threads)  # (per thread, as the verifier sets it)
         try:
-            await decode(worker, target, prompts[0], 8, 0, args.row_cost, args.run)  # warm-up
+            for mode in modes:  # warm-up
+                await decode(worker, target, prompts[0], 8, args.lookup, finders[mode], args.run)
             for r in range(args.rounds):
                 for i, prompt in enumerate(prompts):
-                    order = ("plain", "lookup") if (i + r) % 2 == 0 else ("lookup", "plain")
+                    k = (i + r) % len(modes)
                     outs = {}
-                    for mode in order:
-                        out, steps, seconds = await decode(worker, target, prompt, args.tokens,
-                                                           args.lookup if mode == "lookup" else 0, args.row_cost, args.run)
+                    for mode in modes[k:] + modes[:k]:
+                        out, steps, seconds, hd, ha = await decode(
+                            worker, target, prompt, args.tokens, args.lookup if mode != "plain" else 0, finders[mode],
+                            args.run)
                         outs[mode] = out
                         t = totals[mode]
-                        t[0], t[1], t[2] = t[0] + len(out), t[1] + steps, t[2] + seconds
-                    same += outs["plain"] == outs["lookup"]
+                        t[0], t[1], t[2], t[3], t[4] = t[0] + len(out), t[1] + steps, t[2] + seconds, t[3] + hd, t[4] + ha
+                    same += all(o == outs["plain"] for o in outs.values())
                 print(f"round {r + 1}/{args.rounds} done", flush=True)
         finally:
             worker.shutdown()
@@ -93,11 +108,13 @@ def main() -> None:
     asyncio.run(measure())
     print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.tokens} tokens, {args.dtype}, {args.threads} threads, "
           f"runs of {args.run} steps, lookup {args.lookup}, row cost {args.row_cost}")
-    print(f"{'mode':8} {'tokens':>7} {'steps':>6} {'tok/step':>8} {'ms/token':>9}")
-    for mode, (n, steps, seconds) in totals.items():
-        print(f"{mode:8} {n:7d} {steps:6d} {n / steps:8.3f} {seconds / n * 1000:9.3f}")
-    (pn, _, ps), (ln, _, ls) = totals["plain"], totals["lookup"]
-    print(f"lookup / plain, tokens per second: {(ln / ls) / (pn / ps):.3f}; identical outputs {same}/{len(prompts) * args.rounds}")
+    print(f"modes: plain; lookup; head = lookup and the feature head ({'none trained' if head is None else 'trained'})")
+    print(f"{'mode':8} {'tokens':>7} {'steps':>6} {'tok/step':>8} {'ms/token':>9} {'x plain':>8} {'head acc/drafted':>17}")
+    pn, _, ps, _, _ = totals["plain"]
+    for mode, (n, steps, seconds, hd, ha) in totals.items():
+        print(f"{mode:8} {n:7d} {steps:6d} {n / steps:8.3f} {seconds / n * 1000:9.3f} {(n / seconds) / (pn / ps):8.3f} "
+              f"{f'{ha}/{hd}' if hd else '':>17}")
+    print(f"identical outputs (every mode): {same}/{len(prompts) * args.rounds}")
 
 
 if __name__ == "__main__":

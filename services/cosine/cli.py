@@ -14,6 +14,7 @@ EPILOG = """examples:
   cosine zoo                          prepare the default models (first run: about a minute)
   cosine zoo build                    distil a drafter per domain from the target (default budget: 20 minutes)
   cosine zoo eval --json zoo.json     every drafter on every domain's held-out prompts: tau, c, predicted speedup
+  cosine zoo head                     train the verifier's feature-conditioned drafter on the build's data (~5 min)
   cosine up                           start the local cluster; Ctrl-C stops it
   cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)
@@ -47,6 +48,8 @@ def _zoo(args) -> int:
         return _zoo_build(args)
     if args.action == "eval":
         return _zoo_eval(args)
+    if args.action == "head":
+        return _zoo_head(args)
     from cosine.zoo.prepare import prepare_all
 
     for path in prepare_all(force=args.force):
@@ -78,6 +81,32 @@ def _zoo_build(args) -> int:
         print(f"every drafter of {', '.join(domains)} is built (--force rebuilds)")
     if (report_dir() / "eval.json").exists():
         print(format_table(_int_keys(json.loads((report_dir() / "eval.json").read_text()))))
+    return 0
+
+
+def _zoo_head(args) -> int:
+    from cosine.zoo.corpora import DOMAINS
+    from cosine.zoo.head import HeadConfig, run_head
+
+    domains = tuple(args.domains.split(",")) if args.domains else DOMAINS
+    if set(domains) - set(DOMAINS):
+        print(f"unknown domain(s) {sorted(set(domains) - set(DOMAINS))}; known: {', '.join(DOMAINS)}", file=sys.stderr)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        out, report = run_head(HeadConfig(train_seconds=args.train_seconds, vocab=args.head_vocab, seed=args.seed), domains)
+    except FileNotFoundError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    held = report["held_out"]
+    if held:
+        print(f"held-out prompts ({held['positions']} positions): chains match the target's first "
+              + ", ".join(f"{k + 1}: {a:.2f}" for k, a in enumerate(held["accepted"]))
+              + "; tokens a step commits drafting d = " + ", ".join(f"{d}: {t:.2f}" for d, t in held["tokens_per_step"].items()))
+    print(out)
     return 0
 
 
@@ -238,10 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
         "zoo", help="prepare, build, evaluate and find models (default: prepare what is missing)",
         description="prepare: the target (and an untrained drafter); build: distil a drafter per domain "
                     "(code, docs, literary, chat) from the target's own continuations, resumable, cached in "
-                    "$COSINE_CACHE; eval: tau at depths 1-8, top-1 agreement, cost ratio c and predicted speedup "
+                    "$COSINE_CACHE; head: train the verifier's feature-conditioned drafter on the build's data; "
+                    "eval: tau at depths 1-8, top-1 agreement, cost ratio c and predicted speedup "
                     "of every drafter on every domain's held-out prompts (table, JSON, heat-map PNG); "
                     "list / path NAME: what is prepared and where.")
-    zoo.add_argument("action", nargs="?", choices=["prepare", "build", "eval", "list", "path"], default="prepare")
+    zoo.add_argument("action", nargs="?", choices=["prepare", "build", "eval", "head", "list", "path"], default="prepare")
     zoo.add_argument("names", nargs="*", default=[], help="for path: the model's name (target, lm-code, ...); "
                      "for eval: drafters to evaluate (default: all)")
     zoo.add_argument("--json", nargs="?", const="-", default=None,
@@ -251,6 +281,9 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--domains", default="", help="for build: comma-separated subset of code,docs,literary,chat")
     zoo.add_argument("--layers", default="0,1", help="for build: target layers the drafters start from")
     zoo.add_argument("--vocab-size", type=int, default=8192, help="for build: rows of each drafter's reduced head")
+    zoo.add_argument("--train-seconds", type=float, default=180.0,
+                     help="for head: training time of the verifier's feature-conditioned drafter (after its data)")
+    zoo.add_argument("--head-vocab", type=int, default=4096, help="for head: tokens the feature head may propose")
     zoo.add_argument("--seed", type=int, default=0, help="for build/eval: seed of prompts, splits and training")
     zoo.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     zoo.set_defaults(func=_zoo)

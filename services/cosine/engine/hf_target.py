@@ -70,6 +70,12 @@ class HFTarget:
     def committed(self, request_id: str) -> list[int]:
         return list(self._slots[request_id].tokens)
 
+    def hidden(self, request_id: str):
+        """Not kept by this backend: None (see `TargetEngine.hidden`)."""
+        if request_id not in self._slots:
+            raise KeyError(request_id)
+        return None
+
     def context_len(self, request_id: str) -> int:
         """Committed tokens of a request (what its next verification attends over)."""
         return len(self._slots[request_id].tokens)

@@ -485,8 +485,10 @@ class NativeLlama:
                 [L.down_w for L in Ls], [L.down_b for L in Ls], [L.down_p for L in Ls])
 
     @torch.inference_mode()
-    def forward(self, batch: list[Seq], cache: SlotKVCache) -> list[torch.Tensor | None]:
-        """One pass over the batch; returns per Seq its logits [n_rows, vocab] (float32) or None."""
+    def forward(self, batch: list[Seq], cache: SlotKVCache, hidden: bool | str = False) -> list:
+        """One pass over the batch; returns per Seq its logits [n_rows, vocab] (float32) or None. With ``hidden``,
+        per Seq (logits, the same rows' final hidden states [n_rows, hidden_size], normed as the head reads them)
+        or None; with ``hidden="only"`` the hidden states alone."""
         s = self.spec
         dev = self.device
         nh, nkv, hd = s.n_heads, s.n_kv_heads, s.head_dim
@@ -500,8 +502,8 @@ class NativeLlama:
         use_rows = self.attention_kernel and not all(q.prompt and q.parents is None for q in batch)
         order = list(range(B)) if use_rows else sorted(range(B), key=lambda i: batch[i].slot)
         if order != list(range(B)):  # SDPA: slot order lets the attention view the cache in place
-            out = self.forward([batch[i] for i in order], cache)
-            result: list[torch.Tensor | None] = [None] * B
+            out = self.forward([batch[i] for i in order], cache, hidden)
+            result: list = [None] * B
             for j, i in enumerate(order):
                 result[i] = out[j]
             return result
@@ -616,7 +618,7 @@ class NativeLlama:
             x = torch.ops.cosine.decoder_step(x, W[0], W[1], W[2], W[3], W[5], W[6], W[8], W[9], W[11], W[12],
                                               cache.k, cache.v, self.cos[pos_t], self.sin[pos_t], kv_index,
                                               *row_keys, nh, nkv, hd, s.intermediate_size, s.rms_norm_eps, self.scale)
-            return self._finish(x, batch, cache, starts, lengths, N)
+            return self._finish(x, batch, cache, starts, lengths, N, hidden)
         args = (x, *self._weights, cache.k, cache.v, cos, sin, kv_index, bias, nh, nkv, hd, s.intermediate_size,
                 s.rms_norm_eps, self.scale, self.small_rows, self.packed, self.row_chunk, self.kernel, R, T, dense,
                 row_t, use_view,
@@ -628,7 +630,7 @@ class NativeLlama:
                 x = self._decoder(*args)
         else:
             x = self._decoder(*args)
-        return self._finish(x, batch, cache, starts, lengths, N)
+        return self._finish(x, batch, cache, starts, lengths, N, hidden)
 
     def _row_keys(self, batch: list[Seq], starts: list[int], lengths: list[int]) -> tuple[torch.Tensor, ...]:
         """The keys each new row sees, for `attention_rows`: (slot, prefix, offsets, index). A row sees the
@@ -677,7 +679,7 @@ class NativeLlama:
             calls.append((lo, off, False))
         return calls if any(whole for *_, whole in calls) else None
 
-    def _finish(self, x, batch, cache, starts, lengths, N):
+    def _finish(self, x, batch, cache, starts, lengths, N, hidden: bool | str = False):
         dev = self.device
         B = len(batch)
         for q, st, n in zip(batch, starts, lengths):
@@ -701,8 +703,12 @@ class NativeLlama:
             return [None] * B
         hx = x if len(want) == N else x[torch.tensor(want, device=dev)]
         h = self._rms(hx, self.norm)
+        if hidden == "only":  # the features alone (a drafter's training data): no head
+            return [None if sp is None else h[sp[0]: sp[0] + sp[1]] for sp in spans]
         if self.head_plain is not None and len(want) <= self.head_small_rows:
             logits = F.linear(h, self.head_plain).float()
         else:
             logits = self._lin(h, self.lm_head, None).float()
+        if hidden:
+            return [None if sp is None else (logits[sp[0]: sp[0] + sp[1]], h[sp[0]: sp[0] + sp[1]]) for sp in spans]
         return [None if sp is None else logits[sp[0]: sp[0] + sp[1]] for sp in spans]

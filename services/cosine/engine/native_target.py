@@ -35,6 +35,7 @@ class _Request:
     slot: int
     tokens: list[int]
     prompt_len: int
+    hidden: torch.Tensor | None = None  # the final hidden state [hidden_size] of the row that chose tokens[-1]
 
 
 class NativeTarget:
@@ -75,6 +76,11 @@ class NativeTarget:
 
     def committed(self, request_id: str) -> list[int]:
         return list(self._reqs[request_id].tokens)
+
+    def hidden(self, request_id: str) -> torch.Tensor | None:
+        """The final hidden state [hidden_size] (normed, as the head reads it) of the row that chose the request's
+        last committed token; None before its first step (KeyError when not open)."""
+        return self._reqs[request_id].hidden
 
     def context_len(self, request_id: str) -> int:
         """Committed tokens of a request (what its next verification attends over)."""
@@ -136,6 +142,7 @@ class NativeTarget:
         if not 1 <= n_tokens <= len(req.tokens):
             raise ValueError(f"cannot cut {len(req.tokens)} committed tokens to {n_tokens}")
         del req.tokens[n_tokens:]
+        req.hidden = None
         self.cache.truncate(req.slot, n_tokens - 1)
 
     def release(self, request_id: str) -> None:
@@ -174,11 +181,12 @@ class NativeTarget:
             parents = None if chain else [-1] + [p + 1 for p in tree.parents]
             batch.append(Seq(req.slot, [req.tokens[-1], *tree.tokens], positions, parents))
             metas.append((req, tree, sampling, q, n_ctx, depths))
-        logits_list = self.model.forward(batch, self.cache)
+        out = self.model.forward(batch, self.cache, hidden=True)
+        logits_list = [lg for lg, _ in out]
 
         rejected = self._reject_batch([(m, lg) for m, lg in zip(metas, logits_list) if self._uses_q(m)])
         outcomes: list[VerifyOutcome] = []
-        for (req, tree, sampling, q, n_ctx, depths), logits in zip(metas, logits_list):
+        for (req, tree, sampling, q, n_ctx, depths), (logits, hidden) in zip(metas, out):
             start = n_ctx - 1  # storage index of the last committed token
             if self._uses_q((req, tree, sampling, q, n_ctx, depths)):
                 accepted, bonus = rejected.pop(0)
@@ -191,6 +199,7 @@ class NativeTarget:
             self.cache.set_length(req.slot, start + 1 + len(path))
             req.tokens.extend(accepted)
             req.tokens.append(bonus)
+            req.hidden = hidden[1 + path[-1] if path else 0]  # row 0: the last committed token; 1 + i: tree node i
             outcomes.append(VerifyOutcome(accepted + [bonus], len(accepted)))
         return outcomes
 

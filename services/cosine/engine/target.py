@@ -45,6 +45,11 @@ class TargetEngine(Protocol):
     def committed(self, request_id: str) -> list[int]:
         """The request's committed tokens (KeyError when not open)."""
 
+    def hidden(self, request_id: str):
+        """The final hidden state (a [hidden_size] tensor, normed as the head reads it) of the row that chose the
+        request's last committed token, for a drafter conditioned on the target's features; None where the
+        engine does not keep it or before the request's first step (KeyError when not open)."""
+
     def context_len(self, request_id: str) -> int:
         """How many tokens the request's next verification attends over (KeyError when not open)."""
 

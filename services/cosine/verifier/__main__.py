@@ -41,6 +41,10 @@ class VerifierSettings(ModelSettings):
     max_batch_kv_mb: float = Field(0.0, ge=0, description="objective: most KV memory (MiB) a step attends over, Σ over its "
                                    "rounds of (context + tree) positions (0: no cap; native engine only)")
     max_context: int = Field(0, ge=0, description="longest sequence per request (0: the engine's default, at most 4096 for the native engine)")
+    feature_head: str = Field("auto", description=(
+        "rounds that allow lookup: the drafter conditioned on the target's own features that drafts inside plain steps "
+        "beside the lookup (`cosine zoo head` trains it). auto: the zoo's feature-head where it was trained for this "
+        "target; off: none; else its directory"))
     lookup_row_cost: float = Field(0.3, gt=0, lt=1, description="rounds that allow lookup (VerifyRound.lookup): what one more "
                                    "verified position costs, as a share of a one-request step; a looked-up token is verified "
                                    "where the chance the target accepts it pays for its position at the step's batch size")
@@ -59,6 +63,11 @@ async def serve(settings: VerifierSettings) -> GrpcService:
         return make_target(path, settings.device, settings.dtype, n_slots=settings.max_slots,
                            max_context=settings.max_context or None, backend=settings.backend)
 
+    def load_head():
+        from cosine.engine.feature_head import load_for_target
+
+        return load_for_target(settings.feature_head, path, settings.dtype, settings.device)
+
     def register(server):
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         return [verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name]
@@ -71,6 +80,7 @@ async def serve(settings: VerifierSettings) -> GrpcService:
     m = service.metrics
     worker = ModelWorker("verifier", m.worker_busy_seconds.labels("verifier"), m.worker_queue_depth.labels("verifier"))
     engine = await worker.load(load)
+    head = await worker.load(load_head)
     batch_size = Histogram("cosine_verifier_batch_size", "requests verified together in one forward pass (the chosen batch)",
                            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32), registry=m.registry)
     batch_tokens = Histogram("cosine_verifier_batch_tokens", "positions verified in one step (Σ 1 + tree nodes kept)",
@@ -95,9 +105,10 @@ async def serve(settings: VerifierSettings) -> GrpcService:
                          max_step_s=settings.max_step_ms / 1000 if settings.max_step_ms else None,
                          deadline_s=settings.deadline_ms / 1000 if settings.deadline_ms else None)
     batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=on_batch, policy=settings.batch_policy, limits=limits,
-                            lookup=RunLookup(settings.lookup_row_cost))
-    lookup_tokens = Counter("cosine_verifier_lookup_tokens", "tokens the verifier's lookup verified with plain steps "
-                            "(drafted) and those the target accepted (accepted)", ["outcome"], registry=m.registry)
+                            lookup=RunLookup(settings.lookup_row_cost, head=head))
+    lookup_tokens = Counter("cosine_verifier_lookup_tokens", "tokens the verifier drafted itself and verified with plain "
+                            "steps (drafted) and those the target accepted (accepted), by source: lookup (the request's "
+                            "own tokens) or head (the feature head)", ["outcome", "source"], registry=m.registry)
     servicer = VerifierServicer(engine, worker, path.name, tokenizer_fingerprint(path)[1], settings.max_slots, service.tracing,
                                 batcher, opened=m.requests_opened.labels("verifier"), lookup_tokens=lookup_tokens)
     slots = Gauge("cosine_verifier_kv_slots_used", "requests holding a KV cache on the target", registry=m.registry)

@@ -80,8 +80,10 @@ class RoundOutcome:
 
     token_ids: list[int]  # accepted draft tokens and the target's own, step after step
     accepted_draft: int  # of token_ids, from the round's draft tree
-    lookup_drafted: int = 0  # tokens the lookup verified with the round's steps
-    lookup_accepted: int = 0  # of token_ids, from the lookup
+    lookup_drafted: int = 0  # tokens the verifier drafted itself (lookup and feature head) with the round's steps
+    lookup_accepted: int = 0  # of token_ids, from those
+    head_drafted: int = 0  # of lookup_drafted, the feature head's
+    head_accepted: int = 0  # of lookup_accepted, the feature head's
 
 
 @dataclass(frozen=True)
@@ -225,28 +227,35 @@ class VerifyBatcher:
         record: list[tuple[int, int, int, float]] = []
         while live:
             room = self.limits.max_tokens - sum(1 + len(tree) for (_, tree, _), _, _ in live)
-            items, looked = [], []
-            for (rid, tree, sampling), _, k in live:
-                if k > 0 and not len(tree) and room > 0:
+            asks, at = [], []
+            for j, ((rid, tree, _), _, k) in enumerate(live):
+                if k > 0 and not len(tree):
                     committed = self.engine.committed(rid)
                     depth = min(k, room, limit - len(committed) - 1)
                     if depth > 0:
-                        tree = self.lookup.chain(rid, committed, depth, len(live))
-                        room -= len(tree)
-                looked.append(len(tree) if k > 0 else 0)
+                        asks.append((rid, committed, depth, self.engine.hidden(rid)))
+                        at.append(j)
+            found = dict(zip(at, self.lookup.chains(asks, len(live)))) if asks else {}
+            items, looked = [], []
+            for j, ((rid, tree, sampling), _, k) in enumerate(live):
+                source = ""
+                if j in found and room > 0:
+                    tree, source = found[j]
+                    tree = cut_tree(tree, room)  # the batch's token cap, in request order
+                    room -= len(tree)
+                looked.append((len(tree), source))
                 items.append((rid, tree, sampling))
             started = time.perf_counter()
             outcomes = self.engine.verify_batch(items)
             record.append((len(items), sum(1 + len(t) for _, t, _ in items), max(len(t) for _, t, _ in items),
                            time.perf_counter() - started))
-            for (rid, _, _), o, n in zip(items, outcomes, looked):
-                done = merged.get(rid)
-                accepted = o.accepted_draft if n else 0  # from the lookup's chain
-                if done is None:
-                    merged[rid] = RoundOutcome(list(o.token_ids), o.accepted_draft - accepted, n, accepted)
-                else:
-                    merged[rid] = RoundOutcome(done.token_ids + list(o.token_ids), done.accepted_draft,
-                                               done.lookup_drafted + n, done.lookup_accepted + accepted)
+            for (rid, _, _), o, (n, source) in zip(items, outcomes, looked):
+                done = merged.get(rid) or RoundOutcome([], 0)
+                accepted = o.accepted_draft if source else 0  # from the verifier's own chain
+                head = source == "head"
+                merged[rid] = RoundOutcome(done.token_ids + list(o.token_ids), done.accepted_draft + o.accepted_draft - accepted,
+                                           done.lookup_drafted + n, done.lookup_accepted + accepted,
+                                           done.head_drafted + (n if head else 0), done.head_accepted + (accepted if head else 0))
                 left[rid] -= 1
             live = [((rid, DraftTree(), sampling), n, k) for (rid, _, sampling), n, k in live
                     if left[rid] > 0 and self.engine.context_len(rid) < limit]

@@ -26,10 +26,16 @@ another (measured in the README's benchmark section). With it the floor is 0.30 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from cosine.engine.suffix import SuffixDrafter
 from cosine.engine.tree import DraftTree
+
+if TYPE_CHECKING:
+    import torch
+
+    from cosine.engine.feature_head import FeatureHead
 
 MAX_LOOKUP = 16  # most tokens one lookup may propose (VerifyRound.lookup)
 
@@ -37,10 +43,11 @@ MAX_LOOKUP = 16  # most tokens one lookup may propose (VerifyRound.lookup)
 class RunLookup:
     """Per request, a suffix index of its committed tokens, kept up to date from the engine's own record."""
 
-    def __init__(self, row_cost: float = 0.3, max_match: int = 64):
+    def __init__(self, row_cost: float = 0.3, max_match: int = 64, head: "FeatureHead | None" = None):
         if not 0 < row_cost < 1:
             raise ValueError(f"row_cost must be in (0, 1), got {row_cost}")
         self.row_cost = row_cost
+        self.head = head
         self._drafter = SuffixDrafter("lookup", memory=None, max_match=max_match, min_prob=row_cost)
         self._seen: dict[str, int] = {}  # request id -> committed tokens its index holds
 
@@ -64,7 +71,11 @@ class RunLookup:
             new = committed[seen:]
         self._seen[request_id] = len(committed)
         tokens, probs = self._drafter.draft(request_id, new, depth)
-        floor = self.min_path(batch)
+        return self._paying(tokens, probs, self.min_path(batch))
+
+    @staticmethod
+    def _paying(tokens: list[int], probs: list[float], floor: float) -> DraftTree:
+        """The chain's prefix whose path probability stays at or above ``floor``."""
         path, keep = 1.0, 0
         for p in probs:
             path *= p
@@ -73,9 +84,41 @@ class RunLookup:
             keep += 1
         return DraftTree(tokens[:keep], list(range(-1, keep - 1)), probs[:keep])
 
+    def chains(self, asks: Sequence[tuple[str, list[int], int, "torch.Tensor | None"]],
+               batch: int = 1) -> list[tuple[DraftTree, str]]:
+        """For each (request id, committed tokens, depth, the target's feature at its last token or None), the
+        chain to verify with its next step in a step of ``batch`` requests, and where it came from: "lookup"
+        (the request's own tokens), "head" (the feature head, one batched call for every ask with a feature)
+        or "" (nothing pays). Of the two, the chain expected to add more tokens (Σ path probabilities)."""
+        found = [(self.chain(rid, committed, depth, batch), "lookup") for rid, committed, depth, _ in asks]
+        with_feature = [i for i, (_, _, depth, feature) in enumerate(asks) if feature is not None and depth > 0]
+        if self.head is None or not with_feature:
+            return [(tree, source if len(tree) else "") for tree, source in found]
+        import torch
+
+        depth = max(asks[i][2] for i in with_feature)
+        features = torch.stack([asks[i][3] for i in with_feature])
+        floor = self.min_path(batch)
+        tokens, probs = self.head.draft(features, [asks[i][1][-1] for i in with_feature], depth, floor)
+        for i, toks, ps in zip(with_feature, tokens, probs):
+            n = asks[i][2]
+            tree = self._paying(toks[:n], ps[:n], floor)
+            if _expected(tree) > _expected(found[i][0]):
+                found[i] = (tree, "head")
+        return [(tree, source if len(tree) else "") for tree, source in found]
+
     def forget(self, keep: Callable[[str], bool] | Iterable[str]) -> None:
         """Drop the indexes of requests no longer open (``keep``: a predicate or the ids still open)."""
         test = keep if callable(keep) else set(keep).__contains__
         for rid in [rid for rid in self._seen if not test(rid)]:
             del self._seen[rid]
             self._drafter.release(rid)
+
+
+def _expected(tree: DraftTree) -> float:
+    """Tokens a chain is expected to add: Σ of its path probabilities."""
+    total, path = 0.0, 1.0
+    for p in tree.probs:
+        path *= p
+        total += path
+    return total

@@ -40,7 +40,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         self.slots_taken = 0
         self.open_ids: set[str] = set()  # request ids a stream holds here: a second open of one is refused
         self.opened = opened  # a Counter (child) of requests opened here, or None
-        self.lookup_tokens = lookup_tokens  # a Counter by outcome (drafted, accepted) of the lookup's tokens, or None
+        self.lookup_tokens = lookup_tokens  # a Counter by outcome (drafted, accepted) and source (lookup, head), or None
 
     async def Info(self, request, context):
         return common_pb2.ModelInfo(
@@ -211,8 +211,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 
     def _verdict(self, outcome: RoundOutcome) -> verifier_pb2.VerifyResponse:
         if self.lookup_tokens is not None and outcome.lookup_drafted:
-            self.lookup_tokens.labels("drafted").inc(outcome.lookup_drafted)
-            self.lookup_tokens.labels("accepted").inc(outcome.lookup_accepted)
+            for source, drafted, accepted in (
+                    ("lookup", outcome.lookup_drafted - outcome.head_drafted, outcome.lookup_accepted - outcome.head_accepted),
+                    ("head", outcome.head_drafted, outcome.head_accepted)):
+                if drafted:
+                    self.lookup_tokens.labels("drafted", source).inc(drafted)
+                    self.lookup_tokens.labels("accepted", source).inc(accepted)
         return verifier_pb2.VerifyResponse(token_ids=outcome.token_ids, accepted_draft=outcome.accepted_draft,
                                            lookup_drafted=outcome.lookup_drafted, lookup_accepted=outcome.lookup_accepted)
 

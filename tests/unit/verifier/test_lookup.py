@@ -85,6 +85,10 @@ class TextEngine:
     def committed(self, request_id):
         return list(self.tokens[request_id])
 
+    def hidden(self, request_id):  # no features: no feature head
+        self.tokens[request_id]
+        return None
+
     def verify_batch(self, items):
         self.calls.append([(rid, tree) for rid, tree, _ in items])
         out = []

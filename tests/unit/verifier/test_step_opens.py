@@ -41,6 +41,10 @@ class RecordingEngine:
     def committed(self, request_id):
         return list(self.held[request_id])
 
+    def hidden(self, request_id):  # no features: no feature head
+        self.held[request_id]
+        return None
+
     def open(self, request_id, committed, prompt_len):
         self.singles.append(request_id)
         if request_id in self.broken:

@@ -1,0 +1,195 @@
+"""A drafter conditioned on the target's own features (EAGLE-style, without attention).
+
+The target's final hidden state at a position (normed, as its head reads it) says most of what the target
+will write next. The head takes that feature ``f[t]`` and the token ``x[t+1]`` the target chose from it, and
+predicts the next feature ``f[t+1]``, and from it the token after: ``x[t+2]``. Fed its own predicted feature
+and the token it chose, it goes on, so it drafts a chain.
+
+    x = fc(cat(embed[x[t+1]], f[t]))          one linear layer over the pair
+    y = x + down(silu(gate(n)) * up(n))        n = rms(x): a SwiGLU block started from the target's last layer
+    logits = rms(y) · embed[vocab]ᵀ            the target's own (frozen) embedding rows, over a reduced vocabulary
+
+No attention, so no KV cache of its own: a draft needs only the last feature and token of each request, which
+the verifier has after every step (`TargetEngine.hidden`). A draft step reads ~6 M weights (the reduced head
+over 4096 tokens is most of it) against the target's 135 M: it runs on the verifier's model thread between
+steps, with no round trip, like the lookup (`cosine.verifier.lookup`). The target verifies every drafted
+token, so what the head proposes changes how many tokens a step commits, never which.
+
+Trained by `cosine zoo head` (`cosine.zoo.head`) on the target's own greedy continuations, whose features
+are the target's teacher-forced hidden states; two steps unrolled, so the second step learns from the first
+one's predicted feature as it will get it in serving.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CONFIG = "head.json"
+WEIGHTS = "head.safetensors"
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+class FeatureHead(nn.Module):
+    def __init__(self, embed: torch.Tensor, vocab_ids: torch.Tensor, intermediate_size: int, eps: float,
+                 lm_head: torch.Tensor | None = None):
+        """``embed``: the target's input embedding [vocab, hidden], ``lm_head`` its output head (default: tied to
+        the embedding), both frozen. ``vocab_ids``: the tokens the head may propose (sorted, unique)."""
+        super().__init__()
+        hidden = embed.shape[1]
+        self.eps = float(eps)
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.ln = nn.Parameter(torch.ones(hidden))
+        self.gate = nn.Linear(hidden, intermediate_size, bias=False)
+        self.up = nn.Linear(hidden, intermediate_size, bias=False)
+        self.down = nn.Linear(intermediate_size, hidden, bias=False)
+        self.lnf = nn.Parameter(torch.ones(hidden))
+        self.register_buffer("vocab_ids", vocab_ids.long().clone(), persistent=True)
+        self.register_buffer("embed", embed.detach(), persistent=False)
+        head = embed if lm_head is None else lm_head
+        self.register_buffer("out", head.detach()[self.vocab_ids].clone(), persistent=False)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.embed.shape[1]
+
+    def init_from_target(self, layer: dict[str, torch.Tensor], final_norm: torch.Tensor) -> None:
+        """Start as "feature + token embedding", with the target's last layer's SwiGLU and final norm."""
+        h = self.hidden_size
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.bias.zero_()
+            self.fc.weight[:, :h] += torch.eye(h)
+            self.fc.weight[:, h:] += torch.eye(h)
+            self.fc.weight.add_(torch.randn_like(self.fc.weight) * 0.01)
+            self.ln.copy_(layer["post_attention_layernorm"])
+            self.gate.weight.copy_(layer["gate_proj"])
+            self.up.weight.copy_(layer["up_proj"])
+            self.down.weight.copy_(layer["down_proj"])
+            self.lnf.copy_(final_norm)
+
+    def step(self, feature: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        """The predicted next feature for each (feature [..., hidden], token [...])."""
+        x = self.fc(torch.cat([self.embed[token].to(feature.dtype), feature], -1))
+        n = _rms(x, self.ln, self.eps)
+        return x + self.down(F.silu(self.gate(n)) * self.up(n))
+
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """Logits over ``vocab_ids`` (not the whole vocabulary)."""
+        return _rms(feature, self.lnf, self.eps) @ self.out.T.to(feature.dtype)
+
+    @torch.inference_mode()
+    def draft(self, features: torch.Tensor, tokens: list[int], depth: int,
+              floor: float = 0.0) -> tuple[list[list[int]], list[list[float]]]:
+        """Greedy chains of up to ``depth`` tokens, one per (feature [hidden], last token): the tokens and, for
+        each, the head's probability of it (softmax over its vocabulary). Drafting stops once every chain's path
+        probability (the product of its probabilities) is below ``floor``: all chains are then that long."""
+        dtype = self.fc.weight.dtype
+        f = features.to(dtype).reshape(len(tokens), -1)
+        tok = torch.tensor(tokens, dtype=torch.long)
+        ids: list[torch.Tensor] = []
+        probs: list[torch.Tensor] = []
+        path = torch.ones(len(tokens))
+        for _ in range(depth):
+            f = self.step(f, tok)
+            p = torch.softmax(self.logits(f).float(), -1)
+            best, index = p.max(-1)
+            tok = self.vocab_ids[index]
+            ids.append(tok)
+            probs.append(best)
+            path = path * best
+            if bool((path < floor).all()):
+                break
+        if not ids:
+            return [[] for _ in tokens], [[] for _ in tokens]
+        return torch.stack(ids, 1).tolist(), torch.stack(probs, 1).tolist()
+
+    # -- files ------------------------------------------------------------------------------
+
+    def save(self, directory: Path, **card) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS))
+        config = {"hidden_size": self.hidden_size, "intermediate_size": self.gate.weight.shape[0],
+                  "vocab": int(self.vocab_ids.numel()), "eps": self.eps} | card
+        (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path, target: "TargetWeights", dtype: torch.dtype | None = None) -> "FeatureHead":
+        """A saved head over the target's frozen weights; ValueError when it was trained for another target shape."""
+        from safetensors.torch import load_file
+
+        config = json.loads((Path(directory) / CONFIG).read_text())
+        if config["hidden_size"] != target.embed.shape[1]:
+            raise ValueError(f"the feature head in {directory} has hidden size {config['hidden_size']}, "
+                             f"the target {target.embed.shape[1]}")
+        state = load_file(str(Path(directory) / WEIGHTS))
+        if int(state["vocab_ids"].max()) >= target.embed.shape[0]:
+            raise ValueError(f"the feature head in {directory} proposes tokens beyond the target's vocabulary")
+        head = cls(target.embed, state["vocab_ids"], config["intermediate_size"], config["eps"], target.lm_head)
+        head.load_state_dict(state)
+        head.eval()
+        if dtype is not None:
+            head.to(dtype)
+        return head
+
+
+class TargetWeights:
+    """What a feature head takes from the target's checkpoint: its embedding, head, final norm and last layer."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoConfig
+
+        from cosine.engine.llama import _load_state_dict, spec_from_config
+
+        spec = spec_from_config(AutoConfig.from_pretrained(str(path)))
+        state = _load_state_dict(Path(path))
+        prefix = "model." if "model.embed_tokens.weight" in state else ""
+        self.embed = state[f"{prefix}embed_tokens.weight"].float()
+        tied = spec.tie_word_embeddings or "lm_head.weight" not in state
+        self.lm_head = None if tied else state["lm_head.weight"].float()
+        self.final_norm = state[f"{prefix}norm.weight"].float()
+        last = f"{prefix}layers.{spec.n_layers - 1}."
+        self.last_layer = {"post_attention_layernorm": state[last + "post_attention_layernorm.weight"].float(),
+                           **{n: state[f"{last}mlp.{n}.weight"].float() for n in ("gate_proj", "up_proj", "down_proj")}}
+        self.intermediate_size = spec.intermediate_size
+        self.eps = spec.rms_norm_eps
+
+
+def load_for_target(setting: str, target_path: Path, dtype: str = "auto", device: str = "cpu") -> FeatureHead | None:
+    """The verifier's feature head: ``setting`` "off" (none), "auto" (the zoo's ``feature-head`` where it was
+    trained for this target, else none) or a directory (an error if it does not load)."""
+    import logging
+
+    from cosine.engine.models import resolve_dtype
+
+    log = logging.getLogger(__name__)
+    if setting in ("off", ""):
+        return None
+    if setting == "auto":
+        from cosine.zoo.registry import find
+
+        entry = find("feature-head")
+        if entry is None or not entry.path:
+            return None
+        trained_for = json.loads((Path(entry.path) / CONFIG).read_text()).get("target")
+        if trained_for != Path(target_path).name:
+            log.warning("the zoo's feature head was trained for %r, not this target (%r): not used", trained_for,
+                        Path(target_path).name)
+            return None
+        directory = Path(entry.path)
+    else:
+        directory = Path(setting)
+    head = FeatureHead.load(directory, TargetWeights(Path(target_path)), resolve_dtype(dtype, device))
+    log.info("feature head from %s: %d tokens", directory, head.vocab_ids.numel())
+    return head.to(device)

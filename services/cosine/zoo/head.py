@@ -1,0 +1,254 @@
+"""`cosine zoo head`: train the feature-conditioned drafter (`cosine.engine.feature_head`) for the target.
+
+Data: the target's own greedy continuations that `cosine zoo build` wrote (``$COSINE_CACHE/zoo-build``,
+every domain's training split) and their features, the target's teacher-forced final hidden states,
+computed here in the dtype the verifier serves in. One head for all domains.
+
+Training pairs: for each continuation position, (``f[t]``, ``x[t+1]``) → the token ``x[t+2]`` (cross
+entropy over the head's vocabulary) and the feature ``f[t+1]`` (smooth L1); a second step fed the first
+one's predicted feature and ``x[t+2]`` → ``x[t+3]`` and ``f[t+2]``, so the second step learns from what it
+gets in serving. Evaluation: the domains' held-out splits (prompts the training never saw), drafting greedy
+chains from the target's features as serving does, and counting how many tokens in a row match what the
+target wrote.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from cosine.common.progress import Progress
+from cosine.engine.feature_head import FeatureHead, TargetWeights
+from cosine.engine.llama import NativeLlama, Seq
+from cosine.zoo.distill import Sample
+
+NAME = "feature-head"
+
+
+@dataclass
+class HeadConfig:
+    train_seconds: float = 180.0
+    vocab: int = 4096
+    batch: int = 512
+    lr: float = 1e-3
+    feature_weight: float = 1.0  # of the feature loss against the token loss
+    second_weight: float = 0.8  # of the second step's losses
+    dtype: str = "auto"  # the features' dtype: the verifier's
+    seed: int = 0
+
+
+@dataclass
+class Features:
+    """Every sample's features from ``prompt_len - 2`` on, stacked, with the pairs' indices into them."""
+
+    f: torch.Tensor  # [rows, hidden] bfloat16
+    tokens: torch.Tensor  # [rows] long: x[t + 1] for row t (the token the feature chose)
+    end: torch.Tensor  # [rows] long: the last row of the row's sample
+    pairs: torch.Tensor  # [P] rows t whose next row is of the same sample (x[t + 2] a continuation token)
+
+    def within(self, rows: torch.Tensor, ahead: int) -> torch.Tensor:
+        """Whether row + ahead is of the same sample as each row."""
+        return rows + ahead <= self.end[rows]
+
+
+@torch.inference_mode()
+def extract(model: NativeLlama, samples: list[Sample], batch: int = 8, bar: Progress | None = None) -> Features:
+    """The target's features along each sample (teacher-forced, prompt rows as a prefill)."""
+    longest = max(len(s.tokens) for s in samples)
+    cache = model.new_cache(batch, longest + 1)
+    slots = [cache.allocate() for _ in range(batch)]
+    feats, toks, ends = [], [], []
+    rows = 0
+    done_tokens = 0
+    for i in range(0, len(samples), batch):
+        group = samples[i:i + batch]
+        for slot in slots:
+            cache.set_length(slot, 0)
+        out = model.forward([Seq(slot, s.tokens[:-1], list(range(len(s.tokens) - 1)), logits="all", prompt=True)
+                             for slot, s in zip(slots, group)], cache, hidden="only")
+        for s, h in zip(group, out):
+            start = max(s.prompt_len - 2, 0)
+            n = len(s.tokens) - 1  # features f[0 .. n-1]; f[t] chose x[t+1]
+            if n - start < 2:
+                continue
+            feats.append(h[start:].to(torch.bfloat16))  # half the memory; the head trains as well on it
+            toks.append(torch.tensor(s.tokens[start + 1:], dtype=torch.long))
+            k = n - start  # rows of this sample
+            ends.append(torch.full((k,), rows + k - 1, dtype=torch.long))
+            rows += k
+            done_tokens += len(s.tokens)
+        if bar is not None:
+            bar.note(f"target features: {min(i + batch, len(samples))}/{len(samples)} samples, {done_tokens} tokens")
+    end = torch.cat(ends)
+    every = torch.arange(rows)
+    return Features(torch.cat(feats), torch.cat(toks), end, every[every + 1 <= end])
+
+
+def choose_vocab(samples: list[Sample], size: int) -> torch.Tensor:
+    counts: Counter = Counter()
+    for s in samples:
+        counts.update(s.tokens[s.prompt_len:])
+        counts.update(s.tokens)
+    return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.long)
+
+
+def _losses(head: FeatureHead, data: Features, index: torch.Tensor, vmap: torch.Tensor, cfg: HeadConfig) -> torch.Tensor:
+    f0 = data.f[index].float()
+    x1 = data.tokens[index]
+    y1 = head.step(f0, x1)
+    target1 = vmap[data.tokens[index + 1]]
+    loss = F.cross_entropy(head.logits(y1), target1, ignore_index=-1)
+    loss = loss + cfg.feature_weight * F.smooth_l1_loss(y1, data.f[index + 1].float())
+    two = data.within(index, 2)
+    if two.any():
+        i2 = index[two]
+        y2 = head.step(y1[two], data.tokens[i2 + 1])
+        l2 = F.cross_entropy(head.logits(y2), vmap[data.tokens[i2 + 2]], ignore_index=-1)
+        l2 = l2 + cfg.feature_weight * F.smooth_l1_loss(y2, data.f[i2 + 2].float())
+        loss = loss + cfg.second_weight * l2
+    return loss
+
+
+@torch.inference_mode()
+def evaluate(head: FeatureHead, data: Features, depth: int = 4, dtype: torch.dtype | None = None) -> dict:
+    """Chains drafted from each position's true feature and token, as serving drafts them: how many tokens in a
+    row the target wrote (``accepted[k]``: the share of chains whose first k + 1 tokens match) and the tokens a
+    step commits drafting d at every step (1 + the expected matched prefix, capped at d). ``path_probability[k]``:
+    the head's mean confidence in the first k + 1 tokens (the product of its probabilities), which the verifier's
+    cost rule reads as the chance they are accepted."""
+    index = data.pairs
+    f = data.f[index].to(dtype or head.fc.weight.dtype)
+    tok = data.tokens[index]
+    alive = torch.ones(len(index), dtype=torch.bool)
+    path = torch.ones(len(index))
+    accepted, confidence = [], []
+    for k in range(depth):
+        f = head.step(f, tok)
+        best, at = torch.softmax(head.logits(f).float(), -1).max(-1)
+        tok = head.vocab_ids[at]
+        path = path * best
+        ahead = 1 + k  # the row whose token x[t + 2 + k] this predicts
+        valid = data.within(index, ahead)
+        truth = data.tokens[(index + ahead).clamp(max=len(data.tokens) - 1)]
+        alive = alive & valid & (tok == truth)
+        accepted.append(round(alive.float().mean().item(), 4))
+        confidence.append(round(path.mean().item(), 4))  # calibrated: close to accepted[k]
+    return {"accepted": accepted, "path_probability": confidence, "tokens_per_step": {d: round(1 + sum(accepted[:d]), 3) for d in range(1, depth + 1)},
+            "positions": len(index)}
+
+
+def train(head: FeatureHead, data: Features, cfg: HeadConfig, held: Features | None = None,
+          bar: Progress | None = None) -> dict:
+    torch.manual_seed(cfg.seed)
+    vmap = torch.full((head.embed.shape[0],), -1, dtype=torch.long)
+    vmap[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    started = time.monotonic()
+    step = 0
+    losses: list[float] = []
+    while True:
+        order = data.pairs[torch.randperm(len(data.pairs))]
+        for i in range(0, len(order) - cfg.batch + 1, cfg.batch):
+            elapsed = time.monotonic() - started
+            if elapsed >= cfg.train_seconds:
+                return {"steps": step, "train_seconds": round(elapsed, 1), "first_loss": losses[0] if losses else None,
+                        "last_loss": round(sum(losses[-20:]) / max(1, len(losses[-20:])), 4)}
+            frac = elapsed / cfg.train_seconds
+            for g in opt.param_groups:
+                g["lr"] = cfg.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+            loss = _losses(head, data, order[i:i + cfg.batch], vmap, cfg)
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            losses.append(round(loss.item(), 4))
+            step += 1
+            if bar is not None and step % 25 == 0:
+                bar.note(f"feature head: step {step}, loss {sum(losses[-25:]) / 25:.3f} ({elapsed:.0f}/{cfg.train_seconds:.0f}s)")
+
+
+def build_head(target_dir: Path, samples: list[Sample], held_samples: list[Sample], out: Path, cfg: HeadConfig,
+               bar: Progress | None = None, cache: Path | None = None) -> dict:
+    """Extract the features (or read them from ``cache``, where they are kept for a rerun), train, evaluate on
+    the held-out samples, save under ``out``; returns the report."""
+    from cosine.engine.models import resolve_dtype
+
+    dtype = resolve_dtype(cfg.dtype, "cpu")
+    t0 = time.monotonic()
+    key = f"{dtype}:{[(len(s.tokens), s.prompt_len, s.tokens[-8:]) for s in samples + held_samples]}"
+    cached = torch.load(cache, weights_only=False) if cache is not None and cache.exists() else None
+    if cached is not None and cached.get("key") == key:
+        data, held = cached["data"], cached["held"]
+        if bar is not None:
+            bar.note(f"target features of {len(samples)} training samples: cached ({cache})")
+    else:
+        model = NativeLlama.from_pretrained(target_dir, dtype=dtype, max_positions=1024)
+        if bar is not None:
+            bar.phase(f"target features of {len(samples)} training samples ({dtype})")
+        data = extract(model, samples, bar=bar)
+        held = extract(model, held_samples, bar=bar) if held_samples else None
+        del model
+        if cache is not None:
+            tmp = cache.with_suffix(".tmp")
+            torch.save({"key": key, "data": data, "held": held}, tmp)
+            tmp.replace(cache)
+    extract_s = time.monotonic() - t0
+    weights = TargetWeights(target_dir)
+    head = FeatureHead(weights.embed, choose_vocab(samples, cfg.vocab), weights.intermediate_size, weights.eps,
+                       weights.lm_head)
+    head.init_from_target(weights.last_layer, weights.final_norm)
+    if bar is not None:
+        bar.phase(f"training the feature head for {cfg.train_seconds:.0f}s on {len(data.pairs)} positions")
+    result = train(head, data, cfg, held, bar)
+    head.eval()
+    report = {"training": result | {"positions": int(len(data.pairs)), "samples": len(samples),
+                                    "feature_seconds": round(extract_s, 1), "feature_dtype": str(dtype).replace("torch.", "")},
+              "held_out": evaluate(head, held, dtype=torch.float32) if held is not None else None}
+    import shutil
+
+    from cosine.zoo.registry import ModelEntry, write_card
+
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    head.save(staging, target=target_dir.name, **report)
+    write_card(staging, ModelEntry(out.name, "head", "general", "", "the verifier's feature-conditioned drafter "
+                                   f"(target features, {head.vocab_ids.numel()}-token head)"), **report)
+    shutil.rmtree(out, ignore_errors=True)
+    staging.replace(out)
+    return report
+
+
+def run_head(cfg: HeadConfig, domains=None) -> tuple[Path, dict]:
+    """`cosine zoo head`: from the zoo build's cached samples of ``domains`` (default: all), with progress."""
+    from cosine.zoo.build import _load_samples, work_dir
+    from cosine.zoo.corpora import CORPUS, DOMAINS
+    from cosine.zoo.registry import TARGET, models_dir, path_of
+
+    samples: list[Sample] = []
+    held: list[Sample] = []
+    missing = []
+    for domain in domains or DOMAINS:
+        train = _load_samples(work_dir() / f"{domain}-train-{CORPUS}-s{cfg.seed}.pt")
+        if train is None:
+            missing.append(domain)
+            continue
+        samples += train
+        held += _load_samples(work_dir() / f"{domain}-heldout-{CORPUS}-s{cfg.seed}.pt") or []
+    if not samples:
+        raise FileNotFoundError("no training data: `cosine zoo build` writes the target's continuations the head "
+                                f"learns from (looked in {work_dir()})")
+    expected = cfg.train_seconds + sum(len(s.tokens) for s in samples + held) / 1500 + 30
+    with Progress("cosine zoo head", expected_s=expected) as bar:
+        if missing:
+            bar.note(f"no training data for {', '.join(missing)} (run `cosine zoo build` for them)")
+        out = models_dir() / NAME
+        report = build_head(path_of(TARGET), samples, held, out, cfg, bar,
+                            cache=work_dir() / f"head-features-{cfg.dtype}-{CORPUS}-s{cfg.seed}.pt")
+    return out, report

@@ -1,0 +1,106 @@
+"""The feature head on the real (tiny) native engine: the features the target keeps, the head's files, its
+training, and the verifier's steps with it: the same tokens with it on and off, greedy and seeded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cosine.engine.feature_head import FeatureHead, TargetWeights, load_for_target
+from cosine.engine.native_target import make_target
+from cosine.engine.sampling import Sampling
+from cosine.engine.tree import DraftTree
+from cosine.verifier.lookup import RunLookup
+from cosine.zoo.distill import Sample
+from cosine.zoo.head import HeadConfig, build_head, evaluate, extract
+from tests.unit.verifier.test_lookup import run_rounds
+
+pytestmark = pytest.mark.unit
+
+PROMPT = [3, 1, 4, 1, 5, 2, 6, 5, 3, 5]
+
+
+def random_head(path, seed=0) -> FeatureHead:
+    weights = TargetWeights(path)
+    torch.manual_seed(seed)
+    head = FeatureHead(weights.embed, torch.arange(weights.embed.shape[0]), weights.intermediate_size, weights.eps,
+                       weights.lm_head)
+    head.init_from_target(weights.last_layer, weights.final_norm)
+    return head.eval()
+
+
+def test_the_kept_feature_is_the_one_the_target_chose_its_last_token_from(tiny_models):
+    target = make_target(tiny_models["llama"], "cpu", "float32", n_slots=2, max_context=64, backend="native")
+    target.open("r", [5, 9, 12, 40], 4)
+    assert target.hidden("r") is None  # before its first step
+    embed = TargetWeights(tiny_models["llama"]).embed
+    for tree in (DraftTree(), DraftTree([7, 8, 9], [-1, 0, 0]), DraftTree([3, 4], [-1, 0])):
+        target.verify("r", tree, Sampling())
+        logits = F.linear(target.hidden("r").float(), embed)
+        assert int(logits.argmax()) == target.committed("r")[-1]  # greedy: the feature's own choice
+    with pytest.raises(KeyError):
+        target.hidden("nobody")
+
+
+def test_a_saved_head_loads_and_drafts_the_same(tiny_models, tmp_path):
+    path = tiny_models["llama"]
+    head = random_head(path)
+    features = torch.randn(3, head.hidden_size)
+    tokens, probs = head.draft(features, [1, 2, 3], 4)
+    assert len(tokens) == 3 and all(len(t) == 4 for t in tokens)
+    assert all(0 < p <= 1 for row in probs for p in row)
+    head.save(tmp_path / "h", target=path.name)
+    again = load_for_target(str(tmp_path / "h"), path, "float32")
+    assert again.draft(features, [1, 2, 3], 4) == (tokens, probs)
+    assert load_for_target("off", path) is None
+
+
+def test_a_head_for_another_shape_is_refused(tiny_models, tmp_path):
+    random_head(tiny_models["llama"]).save(tmp_path / "h", target="llama")
+    with pytest.raises(ValueError, match="hidden size|vocabulary"):
+        load_for_target(str(tmp_path / "h"), tiny_models["tinyvocab"], "float32")
+
+
+def test_training_learns_a_pattern_the_features_carry(tiny_models, tmp_path, monkeypatch):
+    """A target continuing a repeating text: the head learns to draft the text's next tokens, held-out samples of
+    the same text agree more than the untrained head, and the head is saved where the verifier finds it."""
+    path = tiny_models["llama"]
+    rng = random.Random(0)
+    cycle = [rng.randrange(3, 90) for _ in range(7)]
+
+    def sample(offset: int) -> Sample:
+        tokens = [cycle[(offset + i) % len(cycle)] for i in range(40)]
+        return Sample(tokens, 6, torch.zeros(0), torch.zeros(0))
+
+    train, held = [sample(i) for i in range(14)], [sample(i) for i in range(3)]
+    from cosine.engine.llama import NativeLlama
+
+    before = evaluate(random_head(path), extract(NativeLlama.from_pretrained(path), held), dtype=torch.float32)
+    monkeypatch.setenv("COSINE_CACHE", str(tmp_path))
+    out = tmp_path / "models" / "feature-head"
+    report = build_head(path, train, held, out, HeadConfig(train_seconds=6.0, batch=64, lr=3e-3, vocab=64))
+    assert report["training"]["steps"] > 0 and report["training"]["positions"] == 14 * 34  # every continuation token
+    after = report["held_out"]["accepted"]
+    assert after[0] > max(0.5, before["accepted"][0])
+    from cosine.zoo.registry import find
+
+    entry = find("feature-head")
+    assert entry is not None and entry.kind == "head"
+    assert load_for_target("auto", path, "float32") is not None  # trained for this target: the verifier takes it
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_p=0.95, seed=7)], ids=["greedy", "seeded"])
+def test_the_target_writes_the_same_tokens_with_the_head_on_and_off(tiny_models, sampling):
+    path = tiny_models["tinyvocab"]
+    outs = {}
+    for name, lookup in (("off", None), ("head", RunLookup(0.05, head=random_head(path)))):
+        target = make_target(path, "cpu", "float32", n_slots=2, max_context=128, backend="native")
+        target.open("r", PROMPT, len(PROMPT))
+        (o,), _ = run_rounds(target, [("r", 64, 8 if lookup else 0)], lookup=lookup, sampling=sampling)
+        outs[name] = o
+        assert target.committed("r") == PROMPT + o.token_ids
+    assert outs["head"].token_ids[:64] == outs["off"].token_ids
+    assert outs["head"].head_drafted > 0 and outs["head"].head_accepted <= outs["head"].head_drafted
