@@ -61,6 +61,8 @@ def main() -> None:
     ap.add_argument("--row-cost", type=float, default=0.3, help="the lookup's cost rule (COSINE_VERIFIER_LOOKUP_ROW_COST)")
     ap.add_argument("--run", type=int, default=4, help="steps per round (a decode run)")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workload", default="zoo", choices=["zoo", "unlike"],
+                    help="the bench's prompts: the zoo's held-out ones, or 16 hand-written ones unlike the zoo's")
     ap.add_argument("--head", default="auto", help="the feature head (COSINE_VERIFIER_FEATURE_HEAD; off: lookup only)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -69,7 +71,7 @@ def main() -> None:
 
     path = path_of(TARGET)
     tok = AutoTokenizer.from_pretrained(path)
-    workload = build_workload(args.per_domain, args.seed, cache_root())
+    workload = build_workload(args.per_domain, args.seed, cache_root(), source=args.workload)
     prompts = [p.token_ids(tok) for p in workload]
     target = make_target(path, "cpu", args.dtype, n_slots=2, max_context=2048, backend="native")
     from cosine.engine.feature_head import load_for_target
@@ -106,7 +108,7 @@ def main() -> None:
             worker.shutdown()
 
     asyncio.run(measure())
-    print(f"{len(prompts)} prompts x {args.rounds} rounds, {args.tokens} tokens, {args.dtype}, {args.threads} threads, "
+    print(f"{len(prompts)} prompts ({args.workload}) x {args.rounds} rounds, {args.tokens} tokens, {args.dtype}, {args.threads} threads, "
           f"runs of {args.run} steps, lookup {args.lookup}, row cost {args.row_cost}")
     print(f"modes: plain; lookup; head = lookup and the feature head ({'none trained' if head is None else 'trained'})")
     print(f"{'mode':8} {'tokens':>7} {'steps':>6} {'tok/step':>8} {'ms/token':>9} {'x plain':>8} {'head acc/drafted':>17}")

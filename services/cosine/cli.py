@@ -14,7 +14,7 @@ EPILOG = """examples:
   cosine zoo                          prepare the default models (first run: about a minute)
   cosine zoo build                    distil a drafter per domain from the target (default budget: 20 minutes)
   cosine zoo eval --json zoo.json     every drafter on every domain's held-out prompts: tau, c, predicted speedup
-  cosine zoo head                     train the verifier's feature-conditioned drafter on the build's data (~5 min)
+  cosine zoo head                     retrain the verifier's feature head on the build's data (the build trains one)
   cosine up                           start the local cluster; Ctrl-C stops it
   cosine up --detach && cosine generate --chat "Write a haiku about caches" && cosine down
   cosine serve verifier --help        one service's own options (also: python -m cosine.verifier)

@@ -173,6 +173,10 @@ def build_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run, about 5 minutes (see above)")
     p.add_argument("--per-domain", type=int, default=None, help="prompts per domain (default 2; quick 1)")
+    p.add_argument("--workload", default="zoo", choices=["zoo", "unlike"],
+                   help="zoo: the zoo's held-out prompts (templates it never trains on, same generator); unlike: 16 "
+                        "hand-written prompts of code, prose, technical, chat and arithmetic requests unlike anything "
+                        "the zoo trains on (--per-domain does not apply)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="new tokens per request (default 64; quick 48)")
     p.add_argument("--concurrency", default=None, help="closed-loop concurrencies, comma-separated (default 1,4,8,16; quick 1,4)")
     p.add_argument("--rate", default=None, help="Poisson arrival rates in requests/s, comma-separated (default 0.5; quick none; '': none)")
@@ -261,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     from cosine.zoo.registry import TARGET, cache_root, path_of
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    workload = build_workload(args.per_domain, args.seed, cache_root())
+    workload = build_workload(args.per_domain, args.seed, cache_root(), source=args.workload)
     domains = sorted({p.domain for p in workload})
     drafter_specs = zoo_drafters()
     lm_names = [d.name for d in drafter_specs if d.kind == "lm"]

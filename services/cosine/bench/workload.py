@@ -61,8 +61,27 @@ def zoo_held_out(seed: int, cache: Path) -> dict[str, list[BenchPrompt]]:
     return out
 
 
-def build_workload(per_domain: int, seed: int, cache_root: Path, use_cache: bool = True) -> list[BenchPrompt]:
-    """`per_domain` prompts of each domain, interleaved; zoo held-out prompts first, hand-written ones fill gaps."""
+# The bench's domains for the domains of `cosine.bench.prompts.UNLIKE` (for routing and the per-domain tables).
+UNLIKE_DOMAINS = {"code": "code", "prose": "literary", "technical": "docs", "chat": "chat", "math": "chat"}
+
+
+def unlike_workload() -> list[BenchPrompt]:
+    """The 16 hand-written prompts of `cosine.bench.prompts.UNLIKE` (pass1, then pass2): no template or topic of
+    the zoo's, held-out split included."""
+    from cosine.bench.prompts import UNLIKE
+
+    return [BenchPrompt(UNLIKE_DOMAINS[domain], text, chat, f"hand-written, unlike the zoo's ({name}: {domain})")
+            for name in ("pass1", "pass2") for domain, chat, text in UNLIKE[name]]
+
+
+def build_workload(per_domain: int, seed: int, cache_root: Path, use_cache: bool = True,
+                   source: str = "zoo") -> list[BenchPrompt]:
+    """`per_domain` prompts of each domain, interleaved; zoo held-out prompts first, hand-written ones fill gaps.
+    ``source="unlike"``: `unlike_workload` instead (``per_domain`` does not apply)."""
+    if source == "unlike":
+        return unlike_workload()
+    if source != "zoo":
+        raise ValueError(f"workload source must be zoo or unlike, not {source!r}")
     path = cache_root / "bench" / f"workload-{CORPUS}-seed{seed}.json"
     by_domain: dict[str, list[BenchPrompt]] | None = None
     if use_cache and path.exists():

@@ -56,6 +56,8 @@ class FeatureHead(nn.Module):
         self.register_buffer("embed", embed.detach(), persistent=False)
         head = embed if lm_head is None else lm_head
         self.register_buffer("out", head.detach()[self.vocab_ids].clone(), persistent=False)
+        self._ready: dict[str, torch.Tensor] | None = None  # `prepare`'s inference weights
+        self._kernel = False
 
     @property
     def hidden_size(self) -> int:
@@ -86,12 +88,43 @@ class FeatureHead(nn.Module):
         """Logits over ``vocab_ids`` (not the whole vocabulary)."""
         return _rms(feature, self.lnf, self.eps) @ self.out.T.to(feature.dtype)
 
+    def prepare(self) -> None:
+        """Inference weights for `draft`: gate and up as one matrix, and all packed for CoSine's matmul kernel
+        where it runs for this dtype (`cosine.engine.kernels`: 3–4× F.linear at one row, bf16). Call again after
+        changing the weights."""
+        from cosine.engine import kernels
+
+        mats = {"fc": self.fc.weight, "gate_up": torch.cat([self.gate.weight, self.up.weight]),
+                "down": self.down.weight, "out": self.out}
+        mats = {k: v.detach().contiguous() for k, v in mats.items()}
+        self._kernel = (kernels.available(self.fc.weight.device, self.fc.weight.dtype)
+                        and all(v.shape[0] % 16 == 0 and v.shape[1] % 16 == 0 for v in mats.values()))  # its blocking
+        self._ready = {k: torch.ops.cosine.pack_weight(v) for k, v in mats.items()} if self._kernel else mats
+
+    def _lin(self, x: torch.Tensor, name: str, bias: torch.Tensor | None = None,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+        w = self._ready[name]
+        if self._kernel:
+            return torch.ops.cosine.packed_linear(x, w, bias, residual)
+        y = F.linear(x, w, bias)
+        return y if residual is None else y + residual
+
+    def _fast_step(self, feature: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` and `logits` for inference, on the prepared weights: (next feature, logits)."""
+        h = self.hidden_size
+        x = self._lin(torch.cat([self.embed[token], feature], -1), "fc", self.fc.bias.detach())
+        gate, up = self._lin(F.rms_norm(x, (h,), self.ln.detach(), self.eps), "gate_up").split(self.gate.weight.shape[0], -1)
+        y = self._lin(F.silu(gate) * up, "down", residual=x)
+        return y, self._lin(F.rms_norm(y, (h,), self.lnf.detach(), self.eps), "out")
+
     @torch.inference_mode()
     def draft(self, features: torch.Tensor, tokens: list[int], depth: int,
               floor: float = 0.0) -> tuple[list[list[int]], list[list[float]]]:
         """Greedy chains of up to ``depth`` tokens, one per (feature [hidden], last token): the tokens and, for
         each, the head's probability of it (softmax over its vocabulary). Drafting stops once every chain's path
         probability (the product of its probabilities) is below ``floor``: all chains are then that long."""
+        if self._ready is None:
+            self.prepare()
         dtype = self.fc.weight.dtype
         f = features.to(dtype).reshape(len(tokens), -1)
         tok = torch.tensor(tokens, dtype=torch.long)
@@ -99,8 +132,8 @@ class FeatureHead(nn.Module):
         probs: list[torch.Tensor] = []
         path = torch.ones(len(tokens))
         for _ in range(depth):
-            f = self.step(f, tok)
-            p = torch.softmax(self.logits(f).float(), -1)
+            f, logits = self._fast_step(f, tok)
+            p = torch.softmax(logits.float(), -1)
             best, index = p.max(-1)
             tok = self.vocab_ids[index]
             ids.append(tok)
@@ -141,6 +174,7 @@ class FeatureHead(nn.Module):
         head.eval()
         if dtype is not None:
             head.to(dtype)
+        head.prepare()
         return head
 
 
@@ -191,5 +225,7 @@ def load_for_target(setting: str, target_path: Path, dtype: str = "auto", device
     else:
         directory = Path(setting)
     head = FeatureHead.load(directory, TargetWeights(Path(target_path)), resolve_dtype(dtype, device))
+    head.to(device)
+    head.prepare()
     log.info("feature head from %s: %d tokens", directory, head.vocab_ids.numel())
-    return head.to(device)
+    return head

@@ -43,11 +43,15 @@ MAX_LOOKUP = 16  # most tokens one lookup may propose (VerifyRound.lookup)
 class RunLookup:
     """Per request, a suffix index of its committed tokens, kept up to date from the engine's own record."""
 
-    def __init__(self, row_cost: float = 0.3, max_match: int = 64, head: "FeatureHead | None" = None):
+    def __init__(self, row_cost: float = 0.3, max_match: int = 64, head: "FeatureHead | None" = None,
+                 head_max_floor: float = 0.75):
         if not 0 < row_cost < 1:
             raise ValueError(f"row_cost must be in (0, 1), got {row_cost}")
         self.row_cost = row_cost
         self.head = head
+        # The head runs for every ask of a step, whatever it then proposes; where a step's floor is this high
+        # (8 requests and more at the default row cost) its chains would rarely pay: it does not run.
+        self.head_max_floor = head_max_floor
         self._drafter = SuffixDrafter("lookup", memory=None, max_match=max_match, min_prob=row_cost)
         self._seen: dict[str, int] = {}  # request id -> committed tokens its index holds
 
@@ -92,7 +96,7 @@ class RunLookup:
         or "" (nothing pays). Of the two, the chain expected to add more tokens (Σ path probabilities)."""
         found = [(self.chain(rid, committed, depth, batch), "lookup") for rid, committed, depth, _ in asks]
         with_feature = [i for i, (_, _, depth, feature) in enumerate(asks) if feature is not None and depth > 0]
-        if self.head is None or not with_feature:
+        if self.head is None or not with_feature or self.min_path(batch) > self.head_max_floor:
             return [(tree, source if len(tree) else "") for tree, source in found]
         import torch
 

@@ -62,6 +62,7 @@ class BuildConfig:
     batch: int = 16
     seed: int = 0
     gen_share: float = 0.55  # of each domain's time: generating data (the rest: training)
+    head_seconds: float = 90.0  # training time of the verifier's feature head, at most 8 % of the budget (0: none)
     force: bool = False
 
 
@@ -119,7 +120,7 @@ def held_out(target: Target, cfg: BuildConfig, domains=DOMAINS, bar: Progress | 
             if bar is not None:
                 bar.phase(f"{domain}: the target continues {len(prompts)} held-out prompts (evaluation data)")
             samples = generate(target.model, target.prompt_ids(prompts, cfg.max_prompt_tokens), cfg.max_new_tokens,
-                               target.stop_ids, batch=len(prompts) or 1)
+                               target.stop_ids, batch=len(prompts) or 1, features=cfg.head_seconds > 0)
             _save_samples(path, samples)
         out[domain] = samples
     return out
@@ -142,7 +143,8 @@ def training_data(target: Target, domain: str, cfg: BuildConfig, seconds: float,
             bar.note(f"{domain}: the target wrote {written[0]} tokens of training data")
 
     samples = generate(target.model, target.prompt_ids(prompts, cfg.max_prompt_tokens), cfg.max_new_tokens, target.stop_ids,
-                       batch=cfg.batch, deadline=time.monotonic() + seconds, on_tokens=on_tokens)
+                       batch=cfg.batch, deadline=time.monotonic() + seconds, on_tokens=on_tokens,
+                       features=cfg.head_seconds > 0)
     _save_samples(path, samples)
     return samples
 
@@ -221,7 +223,8 @@ def build(cfg: BuildConfig, target_dir: Path | None = None) -> list[Path]:
         target = Target(target_dir)
         # the evaluation at the end covers the domains built (all four by default); `cosine zoo eval` covers all
         evalsets = held_out(target, cfg, domains=cfg.domains, bar=progress)
-        reserve = 60.0  # the evaluation at the end
+        head_s = min(cfg.head_seconds, 0.08 * total)
+        reserve = 60.0 + (head_s + 20.0 if head_s > 0 else 0.0)  # the evaluation at the end, the feature head
         for i, domain in enumerate(todo):
             left = total - (time.monotonic() - t0) - reserve
             seconds = max(20.0, left / (len(todo) - i))
@@ -233,9 +236,33 @@ def build(cfg: BuildConfig, target_dir: Path | None = None) -> list[Path]:
         report = evaluate_zoo(target, evalsets, progress=progress.note)
         write_report(report)
         annotate_cards(report)
+        if head_s > 0:
+            build_feature_head(target, cfg, todo, evalsets, head_s, progress)
     finally:
         progress.close(f"built {len(built)} of {len(todo)} drafter(s)")
     return built
+
+
+def build_feature_head(target: Target, cfg: BuildConfig, domains, evalsets: dict[str, list[Sample]], seconds: float,
+                       bar: Progress) -> Path | None:
+    """The verifier's feature head (`cosine.zoo.head`) from the features the target's generation kept; None (with a
+    note) where cached training data has none: `cosine zoo head` computes them."""
+    from cosine.zoo.head import NAME, HeadConfig, build_head
+
+    samples = [s for d in domains for s in (_load_samples(work_dir() / f"{d}-train-{CORPUS}-s{cfg.seed}.pt") or [])]
+    held = [s for d in domains for s in evalsets.get(d, [])]
+    if not samples or any(s.features is None for s in samples + held):
+        bar.note("feature head: the cached training data has no features (written before they were kept); "
+                 "`cosine zoo head` computes them (minutes)")
+        return None
+    bar.phase(f"training the verifier's feature head for {seconds:.0f}s", expected_s=seconds + 20.0)
+    out = models_dir() / NAME
+    try:
+        build_head(target.dir, samples, held, out, HeadConfig(train_seconds=seconds, seed=cfg.seed), bar)
+    except ValueError as exc:  # too little data (a tiny budget): the verifier then looks up only
+        bar.note(f"feature head not built: {exc}")
+        return None
+    return out
 
 
 # --- evaluation --------------------------------------------------------------------------------

@@ -27,17 +27,21 @@ class Sample:
     prompt_len: int
     topk_ids: torch.Tensor  # [len(tokens) - 1, k] int32: row p = the target's top-k for the token at p + 1
     topk_logprobs: torch.Tensor  # [len(tokens) - 1, k] float16, log-probabilities over the whole vocabulary
+    # [len(tokens) - 1, hidden] bfloat16: row p = the target's final hidden state (normed, as its head reads it) that
+    # chose the token at p + 1 — the feature head's training data (`cosine.zoo.head`); None where not kept
+    features: torch.Tensor | None = None
 
     @property
     def continuation(self) -> list[int]:
         return self.tokens[self.prompt_len:]
 
     def to_dict(self) -> dict:
-        return {"tokens": self.tokens, "prompt_len": self.prompt_len, "topk_ids": self.topk_ids, "topk_logprobs": self.topk_logprobs}
+        d = {"tokens": self.tokens, "prompt_len": self.prompt_len, "topk_ids": self.topk_ids, "topk_logprobs": self.topk_logprobs}
+        return d if self.features is None else d | {"features": self.features}
 
     @classmethod
     def from_dict(cls, d: dict) -> "Sample":
-        return cls(d["tokens"], d["prompt_len"], d["topk_ids"], d["topk_logprobs"])
+        return cls(d["tokens"], d["prompt_len"], d["topk_ids"], d["topk_logprobs"], d.get("features"))
 
 
 @dataclass
@@ -48,6 +52,7 @@ class _Live:
     prompt_len: int
     ids: list[torch.Tensor]
     logprobs: list[torch.Tensor]
+    features: list[torch.Tensor]
 
 
 @torch.inference_mode()
@@ -60,11 +65,14 @@ def generate(
     topk: int = 32,
     deadline: float | None = None,
     on_tokens: Callable[[int], None] | None = None,
+    features: bool = False,
 ) -> list[Sample]:
     """Greedy continuations of `prompts`, in order; prompts not started by `deadline` (time.monotonic) are skipped.
 
     Up to `batch` requests decode together; a finished one frees its slot for the next prompt
-    at once. A continuation ends at a stop token (kept) or after `max_new_tokens`.
+    at once. A continuation ends at a stop token (kept) or after `max_new_tokens`. With ``features``, each
+    sample keeps the target's final hidden state of every row too (`Sample.features`): the forward computes
+    them anyway, so they cost memory, not time.
     """
     if not prompts:
         return []
@@ -75,7 +83,11 @@ def generate(
     done: dict[int, Sample] = {}
     next_tok: dict[int, int] = {}
 
-    def keep(state: _Live, logits: torch.Tensor) -> None:  # logits [n, vocab]
+    def keep(state: _Live, out) -> None:  # logits [n, vocab], or (logits, hidden [n, hidden]) with features
+        logits = out
+        if features:
+            logits, hidden = out
+            state.features.append(hidden.to(torch.bfloat16))
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         values, ids = logprobs.topk(topk, dim=-1)
         state.ids.append(ids.to(torch.int32))
@@ -84,17 +96,19 @@ def generate(
 
     def finish(state: _Live) -> None:
         kv.release(state.slot)
-        done[state.index] = Sample(state.tokens, state.prompt_len, torch.cat(state.ids), torch.cat(state.logprobs))
+        done[state.index] = Sample(state.tokens, state.prompt_len, torch.cat(state.ids), torch.cat(state.logprobs),
+                                   torch.cat(state.features) if features else None)
         del live[state.index]
 
     while pending or live:
         started = []
         while pending and len(live) + len(started) < kv.n_slots and (deadline is None or time.monotonic() < deadline):
             i = pending.pop(0)
-            started.append(_Live(i, kv.allocate(), list(prompts[i]), len(prompts[i]), [], []))
+            started.append(_Live(i, kv.allocate(), list(prompts[i]), len(prompts[i]), [], [], []))
         for chunk in range(0, len(started), 4):  # prefill a few at a time: all-position logits are large
             group = started[chunk: chunk + 4]
-            outs = model.forward([Seq(s.slot, s.tokens, list(range(len(s.tokens))), logits="all") for s in group], kv)
+            outs = model.forward([Seq(s.slot, s.tokens, list(range(len(s.tokens))), logits="all") for s in group], kv,
+                                 hidden=features)
             for state, logits in zip(group, outs):
                 live[state.index] = state
                 keep(state, logits)
@@ -116,7 +130,8 @@ def generate(
                 stepping.append(state)
         if not stepping:
             continue
-        outs = model.forward([Seq(s.slot, [s.tokens[-1]], [len(s.tokens) - 1], logits="last") for s in stepping], kv)
-        for state, logits in zip(stepping, outs):
-            keep(state, logits[-1:])
+        outs = model.forward([Seq(s.slot, [s.tokens[-1]], [len(s.tokens) - 1], logits="last") for s in stepping], kv,
+                             hidden=features)
+        for state, out in zip(stepping, outs):
+            keep(state, out)
     return [done[i] for i in sorted(done)]

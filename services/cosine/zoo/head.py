@@ -58,33 +58,44 @@ class Features:
 
 
 @torch.inference_mode()
-def extract(model: NativeLlama, samples: list[Sample], batch: int = 8, bar: Progress | None = None) -> Features:
-    """The target's features along each sample (teacher-forced, prompt rows as a prefill)."""
-    longest = max(len(s.tokens) for s in samples)
-    cache = model.new_cache(batch, longest + 1)
-    slots = [cache.allocate() for _ in range(batch)]
+def extract(model: NativeLlama | None, samples: list[Sample], batch: int = 8, bar: Progress | None = None) -> Features:
+    """The target's features along each sample: those the build kept (`Sample.features`, captured as it
+    generated), the rest computed teacher-forced (prompt rows as a prefill) with ``model``."""
+    need = [s for s in samples if s.features is None]
+    computed: dict[int, torch.Tensor] = {}
+    if need:
+        if model is None:
+            raise ValueError(f"{len(need)} samples have no features and no model was given to compute them")
+        longest = max(len(s.tokens) for s in need)
+        cache = model.new_cache(batch, longest + 1)
+        slots = [cache.allocate() for _ in range(batch)]
+        done_tokens = 0
+        for i in range(0, len(need), batch):
+            group = need[i:i + batch]
+            for slot in slots:
+                cache.set_length(slot, 0)
+            out = model.forward([Seq(slot, s.tokens[:-1], list(range(len(s.tokens) - 1)), logits="all", prompt=True)
+                                 for slot, s in zip(slots, group)], cache, hidden="only")
+            for s, h in zip(group, out):
+                computed[id(s)] = h.to(torch.bfloat16)  # half the memory; the head trains as well on it
+                done_tokens += len(s.tokens)
+            if bar is not None:
+                bar.note(f"target features: {min(i + batch, len(need))}/{len(need)} samples, {done_tokens} tokens")
     feats, toks, ends = [], [], []
     rows = 0
-    done_tokens = 0
-    for i in range(0, len(samples), batch):
-        group = samples[i:i + batch]
-        for slot in slots:
-            cache.set_length(slot, 0)
-        out = model.forward([Seq(slot, s.tokens[:-1], list(range(len(s.tokens) - 1)), logits="all", prompt=True)
-                             for slot, s in zip(slots, group)], cache, hidden="only")
-        for s, h in zip(group, out):
-            start = max(s.prompt_len - 2, 0)
-            n = len(s.tokens) - 1  # features f[0 .. n-1]; f[t] chose x[t+1]
-            if n - start < 2:
-                continue
-            feats.append(h[start:].to(torch.bfloat16))  # half the memory; the head trains as well on it
-            toks.append(torch.tensor(s.tokens[start + 1:], dtype=torch.long))
-            k = n - start  # rows of this sample
-            ends.append(torch.full((k,), rows + k - 1, dtype=torch.long))
-            rows += k
-            done_tokens += len(s.tokens)
-        if bar is not None:
-            bar.note(f"target features: {min(i + batch, len(samples))}/{len(samples)} samples, {done_tokens} tokens")
+    for s in samples:
+        h = s.features if s.features is not None else computed[id(s)]  # row t chose x[t + 1]
+        start = max(s.prompt_len - 2, 0)
+        n = len(s.tokens) - 1
+        if n - start < 2:
+            continue
+        feats.append(h[start:n].to(torch.bfloat16))
+        toks.append(torch.tensor(s.tokens[start + 1:], dtype=torch.long))
+        k = n - start  # rows of this sample
+        ends.append(torch.full((k,), rows + k - 1, dtype=torch.long))
+        rows += k
+    if not rows:
+        raise ValueError("no sample has two continuation tokens to learn from")
     end = torch.cat(ends)
     every = torch.arange(rows)
     return Features(torch.cat(feats), torch.cat(toks), end, every[every + 1 <= end])
@@ -189,13 +200,15 @@ def build_head(target_dir: Path, samples: list[Sample], held_samples: list[Sampl
         if bar is not None:
             bar.note(f"target features of {len(samples)} training samples: cached ({cache})")
     else:
-        model = NativeLlama.from_pretrained(target_dir, dtype=dtype, max_positions=1024)
+        missing = sum(s.features is None for s in samples + held_samples)
+        model = NativeLlama.from_pretrained(target_dir, dtype=dtype, max_positions=1024) if missing else None
         if bar is not None:
-            bar.phase(f"target features of {len(samples)} training samples ({dtype})")
+            bar.phase(f"target features of {len(samples)} training samples"
+                      + (f" ({missing} computed, {dtype})" if missing else " (kept by the build)"))
         data = extract(model, samples, bar=bar)
         held = extract(model, held_samples, bar=bar) if held_samples else None
         del model
-        if cache is not None:
+        if cache is not None and missing:
             tmp = cache.with_suffix(".tmp")
             torch.save({"key": key, "data": data, "held": held}, tmp)
             tmp.replace(cache)

@@ -104,3 +104,25 @@ def test_the_target_writes_the_same_tokens_with_the_head_on_and_off(tiny_models,
         assert target.committed("r") == PROMPT + o.token_ids
     assert outs["head"].token_ids[:64] == outs["off"].token_ids
     assert outs["head"].head_drafted > 0 and outs["head"].head_accepted <= outs["head"].head_drafted
+
+
+def test_the_build_keeps_the_features_as_it_generates_and_the_head_trains_on_them_alone(tiny_models, tmp_path):
+    """`generate(features=True)`: each row's kept feature is the one its token was chosen from, so the head needs no
+    teacher-forced pass of its own (no model is loaded when every sample has them)."""
+    from cosine.engine.llama import NativeLlama
+    from cosine.zoo.distill import generate
+
+    path = tiny_models["llama"]
+    model = NativeLlama.from_pretrained(path)
+    prompts = [[5, 9, 12, 40, 7, 3], [11, 2, 60], [8, 8, 30, 31, 32]]
+    samples = generate(model, prompts, 12, stop_ids=set(), batch=2, features=True)
+    plain = generate(model, prompts, 12, stop_ids=set(), batch=2)
+    assert [s.tokens for s in samples] == [s.tokens for s in plain] and plain[0].features is None
+    embed = TargetWeights(path).embed
+    for s in samples:
+        assert s.features.shape == (len(s.tokens) - 1, embed.shape[1])
+        chosen = F.linear(s.features.float(), embed).argmax(-1)
+        assert chosen[s.prompt_len - 1:].tolist() == s.tokens[s.prompt_len:]  # greedy: each feature's own choice
+    report = build_head(path, samples, samples[:1], tmp_path / "feature-head", HeadConfig(train_seconds=1.0, batch=8))
+    assert report["training"]["positions"] == sum(len(s.tokens) - s.prompt_len for s in samples)
+    assert (tmp_path / "feature-head" / "head.safetensors").exists()

@@ -158,3 +158,44 @@ def test_a_tree_and_lookup_in_one_round_is_refused():
         with pytest.raises(ValueError, match="looks tokens up only without a draft tree"):
             b.submit("a", DraftTree.chain([2], [0.9]), Sampling(), 1, 4)
     asyncio.run(go())
+
+
+class ScriptedHead:
+    """Stands in for the feature head in these policy tests (the real one runs in
+    tests/unit/engine/test_feature_head.py): proposes a fixed chain with fixed probabilities, records its calls."""
+
+    def __init__(self, tokens, probs):
+        self.tokens, self.probs, self.calls = tokens, probs, []
+
+    def draft(self, features, tokens, depth, floor=0.0):
+        self.calls.append((features.shape[0], list(tokens), depth, floor))
+        return [self.tokens[:depth]] * len(tokens), [self.probs[:depth]] * len(tokens)
+
+
+def test_chains_take_the_head_or_the_lookup_whichever_is_expected_to_add_more():
+    import torch
+
+    feature = torch.zeros(4)
+    repeated = [5, 6, 7, 8, 9] * 3  # the lookup finds 5 6 7 8 9 after ... 8 9
+    sure = ScriptedHead([40, 41, 42], [0.95, 0.9, 0.9])
+    finder = RunLookup(head=sure)
+    (tree, source), = finder.chains([("r", [1, 2, 3], 3, feature)], batch=1)
+    assert source == "head" and tree.tokens == [40, 41, 42]  # nothing to look up; the head's path stays above 0.3
+    assert sure.calls == [(1, [3], 3, finder.min_path(1))]
+    unsure = RunLookup(head=ScriptedHead([40, 41], [0.35, 0.5]))
+    (tree, source), = unsure.chains([("q", repeated, 2, feature)], batch=1)
+    assert source == "lookup" and tree.tokens == [5, 6]  # a long repeat beats a head that is barely sure
+    (tree, source), = unsure.chains([("s", [1, 2, 3], 2, feature)], batch=1)
+    assert source == "head" and tree.tokens == [40]  # 0.35 pays alone (floor 0.3); 0.35·0.5 does not
+
+
+def test_the_head_does_not_run_without_a_feature_or_where_no_chain_could_pay():
+    import torch
+
+    head = ScriptedHead([40], [0.99])
+    finder = RunLookup(head=head)
+    assert finder.chains([("r", [1, 2, 3], 2, None)], batch=1) == [(DraftTree(), "")]
+    assert finder.chains([("r", [1, 2, 3], 2, torch.zeros(4))], batch=16) == [(DraftTree(), "")]  # floor 0.87
+    assert head.calls == []
+    both = finder.chains([("a", [1, 2], 1, torch.zeros(4)), ("b", [3, 4], 1, None), ("c", [5], 1, torch.zeros(4))], 3)
+    assert [s for _, s in both] == ["head", "", "head"] and head.calls == [(2, [2, 5], 1, finder.min_path(3))]
