@@ -73,21 +73,26 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(path)
     workload = build_workload(args.per_domain, args.seed, cache_root(), source=args.workload)
     prompts = [p.token_ids(tok) for p in workload]
-    target = make_target(path, "cpu", args.dtype, n_slots=2, max_context=2048, backend="native")
     from cosine.engine.feature_head import load_for_target
 
-    head = load_for_target(args.head, path, args.dtype)
-    finders = {"plain": RunLookup(args.row_cost), "lookup": RunLookup(args.row_cost)}
-    if head is not None:
-        finders["head"] = RunLookup(args.row_cost, head=head)
-    modes = list(finders)
-    totals = {m: [0, 0, 0.0, 0, 0] for m in modes}
+    totals: dict[str, list] = {}
     same = 0
+    head = None
 
     async def measure():
         nonlocal same
+        nonlocal head
         worker = ModelWorker("measure-lookup")  # one model thread throughout, as in the verifier
         await worker.run(torch.set_num_threads, args.threads)  # (per thread, as the verifier sets it)
+        # built on the model thread, as the verifier does: a target built on the main thread and run on another
+        # left a second OpenMP team behind, and its steps took 14-15 ms instead of 8-9
+        target = await worker.load(make_target, path, "cpu", args.dtype, 2, 2048, "native")
+        head = await worker.load(load_for_target, args.head, path, args.dtype)
+        finders = {"plain": RunLookup(args.row_cost), "lookup": RunLookup(args.row_cost)}
+        if head is not None:
+            finders["head"] = RunLookup(args.row_cost, head=head)
+        modes = list(finders)
+        totals.update({m: [0, 0, 0.0, 0, 0] for m in modes})
         try:
             for mode in modes:  # warm-up
                 await decode(worker, target, prompts[0], 8, args.lookup, finders[mode], args.run)
