@@ -121,8 +121,12 @@ def test_the_build_keeps_the_features_as_it_generates_and_the_head_trains_on_the
     embed = TargetWeights(path).embed
     for s in samples:
         assert s.features.shape == (len(s.tokens) - 1, embed.shape[1])
-        chosen = F.linear(s.features.float(), embed).argmax(-1)
-        assert chosen[s.prompt_len - 1:].tolist() == s.tokens[s.prompt_len:]  # greedy: each feature's own choice
+        logits = F.linear(s.features.float(), embed)[s.prompt_len - 1:]  # the rows that chose the continuation
+        written = torch.tensor(s.tokens[s.prompt_len:])
+        # greedy: each feature's own choice, up to the bf16 rounding of the kept feature (a near tie may flip)
+        gap = logits.max(-1).values - logits.gather(1, written[:, None])[:, 0]
+        assert (gap <= 0.02 * logits.abs().max(-1).values).all()
+        assert (logits.argmax(-1) == written).float().mean() >= 0.8
     report = build_head(path, samples, samples[:1], tmp_path / "feature-head", HeadConfig(train_seconds=1.0, batch=8))
     assert report["training"]["positions"] == sum(len(s.tokens) - s.prompt_len for s in samples)
     assert (tmp_path / "feature-head" / "head.safetensors").exists()
