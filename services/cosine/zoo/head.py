@@ -154,8 +154,9 @@ def evaluate(head: FeatureHead, data: Features, depth: int = 4, dtype: torch.dty
             "positions": len(index)}
 
 
-def train(head: FeatureHead, data: Features, cfg: HeadConfig, held: Features | None = None,
-          bar: Progress | None = None) -> dict:
+def train(head: FeatureHead, data: Features, cfg: HeadConfig, bar: Progress | None = None) -> dict:
+    """AdamW on `_losses` in minibatches of ``cfg.batch`` pairs (fewer where there are fewer), warm-up and a cosine
+    schedule over the wall-clock budget ``cfg.train_seconds``."""
     torch.manual_seed(cfg.seed)
     vmap = torch.full((head.embed.shape[0],), -1, dtype=torch.long)
     vmap[head.vocab_ids] = torch.arange(head.vocab_ids.numel())
@@ -164,9 +165,10 @@ def train(head: FeatureHead, data: Features, cfg: HeadConfig, held: Features | N
     started = time.monotonic()
     step = 0
     losses: list[float] = []
+    batch = max(1, min(cfg.batch, len(data.pairs)))
     while True:
         order = data.pairs[torch.randperm(len(data.pairs))]
-        for i in range(0, len(order) - cfg.batch + 1, cfg.batch):
+        for i in range(0, len(order) - batch + 1, batch):
             elapsed = time.monotonic() - started
             if elapsed >= cfg.train_seconds:
                 return {"steps": step, "train_seconds": round(elapsed, 1), "first_loss": losses[0] if losses else None,
@@ -174,7 +176,7 @@ def train(head: FeatureHead, data: Features, cfg: HeadConfig, held: Features | N
             frac = elapsed / cfg.train_seconds
             for g in opt.param_groups:
                 g["lr"] = cfg.lr * min(1.0, (step + 1) / 20) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
-            loss = _losses(head, data, order[i:i + cfg.batch], vmap, cfg)
+            loss = _losses(head, data, order[i:i + batch], vmap, cfg)
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -219,7 +221,7 @@ def build_head(target_dir: Path, samples: list[Sample], held_samples: list[Sampl
     head.init_from_target(weights.last_layer, weights.final_norm)
     if bar is not None:
         bar.phase(f"training the feature head for {cfg.train_seconds:.0f}s on {len(data.pairs)} positions")
-    result = train(head, data, cfg, held, bar)
+    result = train(head, data, cfg, bar)
     head.eval()
     report = {"training": result | {"positions": int(len(data.pairs)), "samples": len(samples),
                                     "feature_seconds": round(extract_s, 1), "feature_dtype": str(dtype).replace("torch.", "")},
