@@ -57,15 +57,24 @@ def _zoo(args) -> int:
     return 0
 
 
-def _zoo_build(args) -> int:
-    from cosine.zoo.build import BuildConfig, build, format_table, report_dir
+def _domains(args) -> tuple[str, ...] | None:
+    """`--domains` (default: all), or None after saying which are unknown."""
     from cosine.zoo.corpora import DOMAINS
-    from cosine.zoo.prepare import prepare_all
 
     domains = tuple(args.domains.split(",")) if args.domains else DOMAINS
     unknown = set(domains) - set(DOMAINS)
     if unknown:
         print(f"unknown domain(s) {sorted(unknown)}; known: {', '.join(DOMAINS)}", file=sys.stderr)
+        return None
+    return domains
+
+
+def _zoo_build(args) -> int:
+    from cosine.zoo.build import BuildConfig, build, format_table, report_dir
+    from cosine.zoo.prepare import prepare_all
+
+    domains = _domains(args)
+    if domains is None:
         return 2
     if args.threads:
         import torch
@@ -85,12 +94,10 @@ def _zoo_build(args) -> int:
 
 
 def _zoo_head(args) -> int:
-    from cosine.zoo.corpora import DOMAINS
     from cosine.zoo.head import HeadConfig, run_head
 
-    domains = tuple(args.domains.split(",")) if args.domains else DOMAINS
-    if set(domains) - set(DOMAINS):
-        print(f"unknown domain(s) {sorted(set(domains) - set(DOMAINS))}; known: {', '.join(DOMAINS)}", file=sys.stderr)
+    domains = _domains(args)
+    if domains is None:
         return 2
     if args.threads:
         import torch

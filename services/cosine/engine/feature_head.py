@@ -33,11 +33,6 @@ CONFIG = "head.json"
 WEIGHTS = "head.safetensors"
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-
-
 class FeatureHead(nn.Module):
     def __init__(self, embed: torch.Tensor, vocab_ids: torch.Tensor, intermediate_size: int, eps: float,
                  lm_head: torch.Tensor | None = None):
@@ -81,12 +76,12 @@ class FeatureHead(nn.Module):
     def step(self, feature: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         """The predicted next feature for each (feature [..., hidden], token [...])."""
         x = self.fc(torch.cat([self.embed[token].to(feature.dtype), feature], -1))
-        n = _rms(x, self.ln, self.eps)
+        n = F.rms_norm(x, (self.hidden_size,), self.ln, self.eps)
         return x + self.down(F.silu(self.gate(n)) * self.up(n))
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
         """Logits over ``vocab_ids`` (not the whole vocabulary)."""
-        return _rms(feature, self.lnf, self.eps) @ self.out.T.to(feature.dtype)
+        return F.linear(F.rms_norm(feature, (self.hidden_size,), self.lnf, self.eps), self.out.to(feature.dtype))
 
     def prepare(self) -> None:
         """Inference weights for `draft`: gate and up as one matrix, and all packed for CoSine's matmul kernel
