@@ -66,10 +66,11 @@ async def test_greedy_output_equals_the_target_alone(services, reference, specul
 
 
 async def test_drafting_is_accepted_when_the_target_repeats(services, tiny_dirs):
-    # a random tiny model falls into loops quickly: prompt lookup must then be accepted
+    # a random tiny model falls into loops quickly: prompt lookup must then be accepted, the drafters' or
+    # the verifier's own (which may finish a repeating request before the first draft comes back)
     ids, _, final = await generate(services.router, prompt=b"a b c a b c a b c", max_new_tokens=64)
-    assert final.stats.drafted_tokens > 0 and final.stats.rounds > 0
-    assert final.stats.accepted_tokens > 0
+    assert final.stats.drafted_tokens + final.stats.lookup_drafted_tokens > 0 and final.stats.rounds > 0
+    assert final.stats.accepted_tokens + final.stats.lookup_accepted_tokens > 0
     assert final.stats.rounds < len(ids)
 
 
