@@ -41,9 +41,19 @@ def scrape(port: int | None) -> dict[str, float]:
         return {}
 
 
-def metric_sum(samples: dict[str, float], name: str) -> float:
-    """Sum of every sample of `name` (all label sets)."""
-    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+def metric_sum(samples: dict[str, float], name: str, **labels: str) -> float:
+    """Sum of every sample of `name` whose labels include `labels` (all label sets where none are given)."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+
+    def has(key: str) -> bool:
+        if key == name:
+            return not want
+        if not key.startswith(name + "{"):
+            return False
+        have = key[len(name) + 1:-1].split(",")
+        return all(w in have for w in want)
+
+    return sum(v for k, v in samples.items() if has(k))
 
 
 def generate(stub, prompt, speculation: dict, max_new: int, prompt_index: int, arrival: float, t0: float,

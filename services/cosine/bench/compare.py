@@ -395,8 +395,13 @@ def main(argv: list[str] | None = None) -> int:
                     "step_count": s.get("cosine_scheduler_step_seconds_count", 0.0),
                     "ahead_used": s.get('cosine_scheduler_draft_ahead_total{outcome="used"}', 0.0),
                     "ahead_discarded": s.get('cosine_scheduler_draft_ahead_total{outcome="discarded"}', 0.0),
-                    "lookup_drafted": vs.get('cosine_verifier_lookup_tokens_total{outcome="drafted"}', 0.0),
-                    "lookup_accepted": vs.get('cosine_verifier_lookup_tokens_total{outcome="accepted"}', 0.0),
+                    # the verifier's own drafts, the lookup's and the feature head's (label source)
+                    "lookup_drafted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="drafted"),
+                    "lookup_accepted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="accepted"),
+                    "head_drafted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="drafted",
+                                                      source="head"),
+                    "head_accepted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="accepted",
+                                                       source="head"),
                     **{k: s.get(m, 0.0) for k, m in ROUND_METRICS.items()}}
 
         # warm-up: every drafter drafts once, plain decoding once
@@ -428,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
                 row["draft_ahead_discarded"] = int(after["ahead_discarded"] - before["ahead_discarded"])
                 row["lookup_drafted"] = int(after["lookup_drafted"] - before["lookup_drafted"])
                 row["lookup_accepted"] = int(after["lookup_accepted"] - before["lookup_accepted"])
+                row["head_drafted"] = int(after["head_drafted"] - before["head_drafted"])
+                row["head_accepted"] = int(after["head_accepted"] - before["head_accepted"])
                 row["round_ms"] = round_breakdown(before, after)
                 row["step_ms"] = step_breakdown(before, after, wall)
                 row["verifier_mean_batch"] = row["step_ms"]["mean_batch"] if row["step_ms"] else None
@@ -581,11 +588,13 @@ def pipeline_notes(rows: list[dict]) -> list[str]:
 def lookup_notes(rows: list[dict]) -> list[str]:
     """How much of each cluster system's drafting was the verifier's own lookup (counted in its acc/rnd and accept)."""
     out = [f"{row['name']} {_point_label((row['mode'], row['concurrency'], row['rate']))}: the verifier's lookup verified "
-           f"{row['lookup_drafted']} tokens with plain steps, {row['lookup_accepted']} accepted"
+           f"{row['lookup_drafted']} tokens with plain steps, {row['lookup_accepted']} accepted; of them the feature "
+           f"head's {row.get('head_drafted', 0)}, {row.get('head_accepted', 0)} accepted"
            for row in rows if row.get("lookup_drafted")]
     if out:
         out.insert(0, "lookup (COSINE_SCHEDULER_LOOKUP_TOKENS; requests that speculate): the verifier looks each request's own "
-                      "tokens up before its plain steps and verifies what it finds with the step")
+                      "tokens up before its plain steps, or drafts with its feature head (COSINE_VERIFIER_FEATURE_HEAD), "
+                      "and verifies what it finds with the step")
     return out
 
 

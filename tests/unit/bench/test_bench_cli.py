@@ -89,6 +89,20 @@ def test_metrics_parsing():
     assert samples['cosine_scheduler_draft_ahead_total{outcome="used"}'] == 3.0
 
 
+def test_metric_sum_by_labels():
+    """The verifier's lookup counter has two labels: the bench sums its sources by outcome (a lookup of the key
+    with one label only found nothing once the feature head added the source label)."""
+    samples = parse_metrics('cosine_verifier_lookup_tokens_total{outcome="drafted",source="lookup"} 10.0\n'
+                            'cosine_verifier_lookup_tokens_total{outcome="accepted",source="lookup"} 4.0\n'
+                            'cosine_verifier_lookup_tokens_total{outcome="drafted",source="head"} 7.0\n'
+                            'cosine_verifier_lookup_tokens_total{outcome="accepted",source="head"} 2.0\n')
+    name = "cosine_verifier_lookup_tokens_total"
+    assert metric_sum(samples, name, outcome="drafted") == 17.0
+    assert metric_sum(samples, name, outcome="accepted", source="head") == 2.0
+    assert metric_sum(samples, name) == 23.0
+    assert metric_sum(samples, name, outcome="refused") == 0.0
+
+
 def test_workload_interleaves_domains():
     by = {d: [BenchPrompt(d, f"{d}{i}", False, "s") for i in range(3)] for d in DOMAINS}
     by["chat"] = by["chat"][:1]
