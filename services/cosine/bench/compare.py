@@ -97,6 +97,30 @@ def round_breakdown(before: dict, after: dict) -> dict | None:
             "overhead_ms": ((d["draft_sum"] - d["draft_compute_sum"]) + (d["verify_sum"] - d["verify_compute_sum"])) / rounds * 1000}
 
 
+def cluster_snapshot(verifier_port: int | None, drafter_ports: list[int | None], scheduler_port: int | None) -> dict:
+    """The counters the cluster rows are computed from (their differences between two snapshots)."""
+    from cosine.bench import client
+
+    vs = client.scrape(verifier_port)
+    v = client.metric_sum(vs, "cosine_worker_busy_seconds_total")
+    d = sum(client.metric_sum(client.scrape(port), "cosine_worker_busy_seconds_total") for port in drafter_ports)
+    s = client.scrape(scheduler_port)
+    return {"verifier": v, "drafters": d,
+            "batch_sum": vs.get("cosine_verifier_batch_size_sum", 0.0),
+            "batch_count": vs.get("cosine_verifier_batch_size_count", 0.0),
+            "model_step_sum": vs.get("cosine_verifier_step_seconds_sum", 0.0),
+            "step_sum": s.get("cosine_scheduler_step_seconds_sum", 0.0),
+            "step_count": s.get("cosine_scheduler_step_seconds_count", 0.0),
+            "ahead_used": s.get('cosine_scheduler_draft_ahead_total{outcome="used"}', 0.0),
+            "ahead_discarded": s.get('cosine_scheduler_draft_ahead_total{outcome="discarded"}', 0.0),
+            # the verifier's own drafts, the lookup's and the feature head's (label source)
+            "lookup_drafted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="drafted"),
+            "lookup_accepted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="accepted"),
+            "head_drafted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="drafted", source="head"),
+            "head_accepted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="accepted", source="head"),
+            **{k: s.get(m, 0.0) for k, m in ROUND_METRICS.items()}}
+
+
 def step_breakdown(before: dict, after: dict, wall_s: float) -> dict | None:
     """Where a verification step's time goes between two snapshots (ms per step): the step as the scheduler saw it
     (send to answer), of which the verifier's model thread (its busy time per batch, prefills of new requests
@@ -383,26 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler_port = procs["scheduler"].metrics_port
 
         def snapshot():
-            vs = client.scrape(verifier_port)
-            v = client.metric_sum(vs, "cosine_worker_busy_seconds_total")
-            d = sum(client.metric_sum(client.scrape(port), "cosine_worker_busy_seconds_total") for port in drafter_ports)
-            s = client.scrape(scheduler_port)
-            return {"verifier": v, "drafters": d,
-                    "batch_sum": vs.get("cosine_verifier_batch_size_sum", 0.0),
-                    "batch_count": vs.get("cosine_verifier_batch_size_count", 0.0),
-                    "model_step_sum": vs.get("cosine_verifier_step_seconds_sum", 0.0),
-                    "step_sum": s.get("cosine_scheduler_step_seconds_sum", 0.0),
-                    "step_count": s.get("cosine_scheduler_step_seconds_count", 0.0),
-                    "ahead_used": s.get('cosine_scheduler_draft_ahead_total{outcome="used"}', 0.0),
-                    "ahead_discarded": s.get('cosine_scheduler_draft_ahead_total{outcome="discarded"}', 0.0),
-                    # the verifier's own drafts, the lookup's and the feature head's (label source)
-                    "lookup_drafted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="drafted"),
-                    "lookup_accepted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="accepted"),
-                    "head_drafted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="drafted",
-                                                      source="head"),
-                    "head_accepted": client.metric_sum(vs, "cosine_verifier_lookup_tokens_total", outcome="accepted",
-                                                       source="head"),
-                    **{k: s.get(m, 0.0) for k, m in ROUND_METRICS.items()}}
+            return cluster_snapshot(verifier_port, drafter_ports, scheduler_port)
 
         # warm-up: every drafter drafts once, plain decoding once
         from cosine.common.v1 import common_pb2 as c
