@@ -47,6 +47,8 @@ def main() -> int:
     p.add_argument("--sides", default="cosine-plain,cosine-full",
                    help="the systems of each block, in order (one of them alone: to profile its processes)")
     args = p.parse_args()
+    if not set(args.sides.split(",")) <= {"cosine-plain", "cosine-full"}:
+        p.error(f"--sides takes cosine-plain and/or cosine-full, not {args.sides!r}")
 
     os.environ["COSINE_RUN_DIR"] = tempfile.mkdtemp(prefix="cosine-ab-run-")
     slots = str(max(16, args.concurrency + 8))
