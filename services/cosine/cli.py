@@ -288,8 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     zoo.add_argument("--domains", default="", help="for build: comma-separated subset of code,docs,literary,chat")
     zoo.add_argument("--layers", default="0,1", help="for build: target layers the drafters start from")
     zoo.add_argument("--vocab-size", type=int, default=8192, help="for build: rows of each drafter's reduced head")
-    zoo.add_argument("--train-seconds", type=float, default=180.0,
-                     help="for head: training time of the verifier's feature-conditioned drafter (after its data)")
+    zoo.add_argument("--train-seconds", type=float, default=720.0,
+                     help="for head: training time of the verifier's feature-conditioned drafter, after its data "
+                          "(default 12 minutes: held-out first-token matches 50 %% after 180 s, 54 %% after 360, 56 %% after 720)")
     zoo.add_argument("--head-vocab", type=int, default=4096, help="for head: tokens the feature head may propose")
     zoo.add_argument("--seed", type=int, default=0, help="for build/eval: seed of prompts, splits and training")
     zoo.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
