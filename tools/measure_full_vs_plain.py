@@ -71,7 +71,7 @@ def main() -> int:
     speculation = cluster_speculation("", 4)
     sides = {name: speculation[name] for name in args.sides.split(",")}
     cluster = Cluster(spec)
-    rows: dict[str, list[tuple[float, float, int, int]]] = {name: [] for name in sides}
+    rates: dict[str, list[float]] = {name: [] for name in sides}  # tokens/s of each block
     reference: dict[int, list[int]] = {}
     identical = {name: 0 for name in sides}
     try:
@@ -104,7 +104,7 @@ def main() -> int:
                         reference[r.prompt_index] = r.token_ids
                     identical[name] += int(reference.get(r.prompt_index) == r.token_ids)
                 steps = tokens - accepted
-                rows[name].append((tokens / wall, tokens / max(1, steps), drafted, accepted))
+                rates[name].append(tokens / wall)
                 print(f"{block + 1:>5} {name:<13} {tokens / wall:7.1f} {tokens / max(1, steps):8.2f} {drafted:8d} "
                       f"{accepted:8d} {errors:6d} {st.get('steps', 0):6d} {st.get('mean_batch', 0):6.2f} "
                       f"{st.get('wall_per_step_ms', 0):7.2f} {st.get('verifier_step_ms', 0):7.2f} "
@@ -114,8 +114,7 @@ def main() -> int:
         cluster.stop()
     if set(sides) != {"cosine-plain", "cosine-full"}:
         return 0
-    plain = [r[0] for r in rows["cosine-plain"]]
-    full = [r[0] for r in rows["cosine-full"]]
+    plain, full = rates["cosine-plain"], rates["cosine-full"]
     ratios = [f / p for f, p in zip(full, plain)]
     print(f"\ncosine-full / cosine-plain by block: {' '.join(f'{x:.2f}' for x in ratios)}; "
           f"mean {statistics.mean(ratios):.3f}, without the first block "
