@@ -3,7 +3,9 @@
 The target's final hidden state at a position (normed, as its head reads it) says most of what the target
 will write next. The head takes that feature ``f[t]`` and the token ``x[t+1]`` the target chose from it, and
 predicts the next feature ``f[t+1]``, and from it the token after: ``x[t+2]``. Fed its own predicted feature
-and the token it chose, it goes on, so it drafts a chain.
+and the token it chose, it goes on, so it drafts a chain; fed each of its likeliest tokens, a tree (`trees`:
+every continuation whose path probability passes the verifier's cost floor, which at one or two requests a
+step lets a second candidate in where the head is torn between two).
 
     x = fc(cat(embed[x[t+1]], f[t]))          one linear layer over the pair
     y = x + down(silu(gate(n)) * up(n))        n = rms(x): a SwiGLU block started from the target's last layer
@@ -17,7 +19,8 @@ token, so what the head proposes changes how many tokens a step commits, never w
 
 Trained by `cosine zoo head` (`cosine.zoo.head`) on the target's own greedy continuations, whose features
 are the target's teacher-forced hidden states; two steps unrolled, so the second step learns from the first
-one's predicted feature as it will get it in serving.
+one's predicted feature as it will get it in serving. Its probabilities are then calibrated (one temperature
+per draft step, fitted on held-out samples) so that the cost rule reads them as chances of acceptance.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cosine.engine.tree import DraftTree
 
 CONFIG = "head.json"
 WEIGHTS = "head.safetensors"
@@ -53,6 +58,10 @@ class FeatureHead(nn.Module):
         self.register_buffer("out", head.detach()[self.vocab_ids].clone(), persistent=False)
         self._ready: dict[str, torch.Tensor] | None = None  # `prepare`'s inference weights
         self._kernel = False
+        # Per draft step, the temperature its logits are divided by before the softmax, so that the probability
+        # of its best token is the chance the target accepts it (fitted on held-out positions by `cosine zoo
+        # head`; the last one holds for deeper steps; empty: 1). Greedy choices are the same at any temperature.
+        self.temperatures: list[float] = []
 
     @property
     def hidden_size(self) -> int:
@@ -112,6 +121,63 @@ class FeatureHead(nn.Module):
         y = self._lin(F.silu(gate) * up, "down", residual=x)
         return y, self._lin(F.rms_norm(y, (h,), self.lnf.detach(), self.eps), "out")
 
+    def temperature(self, step: int) -> float:
+        """The calibrated temperature of draft step ``step`` (0-based)."""
+        if not self.temperatures:
+            return 1.0
+        return self.temperatures[min(step, len(self.temperatures) - 1)]
+
+    def probs(self, logits: torch.Tensor, step: int) -> torch.Tensor:
+        """Step ``step``'s probabilities over the head's vocabulary, calibrated."""
+        return torch.softmax(logits.float() / self.temperature(step), -1)
+
+    @torch.inference_mode()
+    def trees(self, features: torch.Tensor, tokens: list[int], nodes: int, floor: float) -> list[DraftTree]:
+        """One draft tree per (feature [hidden], last token): every continuation whose path probability (the
+        product of the head's calibrated probabilities from the root) is at least ``floor``, the likeliest
+        ``nodes`` of them. Each node's children are its most probable tokens, the likeliest first (so a tree's
+        main chain is the greedy chain). Nodes are ordered by path probability, so any prefix of a tree is a tree,
+        and the expected number of accepted tokens is the sum of the nodes' path probabilities where those are
+        calibrated. Where ``floor`` is 0.5 or more no node has two children that pass it: the trees are chains,
+        drafted by `draft`."""
+        if floor >= 0.5 or floor <= 0:
+            ids, probs = self.draft(features, tokens, nodes, floor)
+            out = []
+            for toks, ps in zip(ids, probs):
+                path, keep = 1.0, 0
+                for p in ps:
+                    path *= p
+                    if path < floor:
+                        break
+                    keep += 1
+                out.append(DraftTree.chain(toks[:keep], ps[:keep]))
+            return out
+        if self._ready is None:
+            self.prepare()
+        k = min(self.vocab_ids.numel(), int(1 / floor) + 1)  # no more siblings than that can pass the floor
+        found: list[list[tuple[float, int, int, float, int]]] = [[] for _ in tokens]  # (path, depth, token, p, parent)
+        f = features.to(self.fc.weight.dtype).reshape(len(tokens), -1)
+        tok = torch.tensor(tokens, dtype=torch.long)
+        rows = [(i, -1, 1.0) for i in range(len(tokens))]  # (request, node, path) of each row of f
+        for step in range(nodes):
+            y, logits = self._fast_step(f, tok)
+            top_p, top_i = self.probs(logits, step).topk(k, -1)
+            paths = torch.tensor([path for _, _, path in rows])[:, None] * top_p
+            keep = (paths >= floor).nonzero().tolist()
+            if not keep:
+                break
+            at, nxt, new = [], [], []
+            for r, j in keep:
+                request, _, path = rows[r]
+                node = len(found[request])
+                found[request].append((float(paths[r, j]), step + 1, int(self.vocab_ids[top_i[r, j]]),
+                                       float(top_p[r, j]), rows[r][1]))
+                at.append(r)
+                nxt.append(found[request][-1][2])
+                new.append((request, node, float(paths[r, j])))
+            f, tok, rows = y[torch.tensor(at)], torch.tensor(nxt, dtype=torch.long), new
+        return [_ordered(nodes_of, nodes) for nodes_of in found]
+
     @torch.inference_mode()
     def draft(self, features: torch.Tensor, tokens: list[int], depth: int,
               floor: float = 0.0) -> tuple[list[list[int]], list[list[float]]]:
@@ -126,9 +192,9 @@ class FeatureHead(nn.Module):
         ids: list[torch.Tensor] = []
         probs: list[torch.Tensor] = []
         path = torch.ones(len(tokens))
-        for _ in range(depth):
+        for step in range(depth):
             f, logits = self._fast_step(f, tok)
-            p = torch.softmax(logits.float(), -1)
+            p = self.probs(logits, step)
             best, index = p.max(-1)
             tok = self.vocab_ids[index]
             ids.append(tok)
@@ -149,7 +215,7 @@ class FeatureHead(nn.Module):
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(directory / WEIGHTS))
         config = {"hidden_size": self.hidden_size, "intermediate_size": self.gate.weight.shape[0],
-                  "vocab": int(self.vocab_ids.numel()), "eps": self.eps} | card
+                  "vocab": int(self.vocab_ids.numel()), "eps": self.eps, "temperatures": self.temperatures} | card
         (directory / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
@@ -166,11 +232,21 @@ class FeatureHead(nn.Module):
             raise ValueError(f"the feature head in {directory} proposes tokens beyond the target's vocabulary")
         head = cls(target.embed, state["vocab_ids"], config["intermediate_size"], config["eps"], target.lm_head)
         head.load_state_dict(state)
+        head.temperatures = [float(t) for t in config.get("temperatures", [])]
         head.eval()
         if dtype is not None:
             head.to(dtype)
         head.prepare()
         return head
+
+
+def _ordered(found: list[tuple[float, int, int, float, int]], nodes: int) -> DraftTree:
+    """A tree of the ``nodes`` likeliest of the found (path, depth, token, probability, parent) nodes, ordered by
+    path probability (ties: the shallower first, so parents come before their children)."""
+    order = sorted(range(len(found)), key=lambda i: (-found[i][0], found[i][1], i))[:nodes]
+    where = {old: new for new, old in enumerate(order)}
+    return DraftTree([found[i][2] for i in order], [where[found[i][4]] if found[i][4] >= 0 else -1 for i in order],
+                     [found[i][3] for i in order])
 
 
 class TargetWeights:

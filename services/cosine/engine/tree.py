@@ -58,6 +58,13 @@ class DraftTree:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
 
+def cut_tree(tree: DraftTree, n: int) -> DraftTree:
+    """The tree's first n nodes: parents come before children, so a prefix is a tree again."""
+    if n >= len(tree):
+        return tree
+    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n])
+
+
 def walk(tree: DraftTree, target_choice: Sequence[int]) -> tuple[list[int], int]:
     """Accept the path the target agrees with.
 

@@ -51,7 +51,7 @@ from typing import Literal
 from cosine.common.streams import ModelWorker
 from cosine.engine.sampling import Sampling
 from cosine.engine.target import TargetEngine
-from cosine.engine.tree import DraftTree
+from cosine.engine.tree import DraftTree, cut_tree
 from cosine.verifier.lookup import RunLookup
 from cosine.common.batching import (BatchLimits, Measurement, ReadyRequest, VerifyTimeModel, choose_batch, expected_committed,
                                     shorten_longest_first)
@@ -97,13 +97,6 @@ class BatchStep:
     trimmed: int  # trees cut to fit the token cap
     context_len: int  # the longest committed context in the batch
     draft_len: int  # the largest (kept) tree in the batch
-
-
-def cut_tree(tree: DraftTree, n: int) -> DraftTree:
-    """The tree's first n nodes: parents come before children, so a prefix is a tree again."""
-    if n >= len(tree):
-        return tree
-    return DraftTree(tree.tokens[:n], tree.parents[:n], tree.probs[:n])
 
 
 class VerifyBatcher:

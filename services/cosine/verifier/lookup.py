@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from cosine.engine.suffix import SuffixDrafter
-from cosine.engine.tree import DraftTree
+from cosine.engine.tree import DraftTree, cut_tree
 
 if TYPE_CHECKING:
     import torch
@@ -100,13 +100,11 @@ class RunLookup:
             return [(tree, source if len(tree) else "") for tree, source in found]
         import torch
 
-        depth = max(asks[i][2] for i in with_feature)
+        nodes = max(asks[i][2] for i in with_feature)
         features = torch.stack([asks[i][3] for i in with_feature])
-        floor = self.min_path(batch)
-        tokens, probs = self.head.draft(features, [asks[i][1][-1] for i in with_feature], depth, floor)
-        for i, toks, ps in zip(with_feature, tokens, probs):
-            n = asks[i][2]
-            tree = self._paying(toks[:n], ps[:n], floor)
+        trees = self.head.trees(features, [asks[i][1][-1] for i in with_feature], nodes, self.min_path(batch))
+        for i, tree in zip(with_feature, trees):
+            tree = cut_tree(tree, asks[i][2])  # its likeliest nodes (the head orders them so)
             if _expected(tree) > _expected(found[i][0]):
                 found[i] = (tree, "head")
         return [(tree, source if len(tree) else "") for tree, source in found]
@@ -120,9 +118,8 @@ class RunLookup:
 
 
 def _expected(tree: DraftTree) -> float:
-    """Tokens a chain is expected to add: Σ of its path probabilities."""
-    total, path = 0.0, 1.0
-    for p in tree.probs:
-        path *= p
-        total += path
-    return total
+    """Tokens a tree is expected to add: Σ of its nodes' path probabilities."""
+    paths: list[float] = []
+    for p, parent in zip(tree.probs, tree.parents):
+        paths.append(p * (paths[parent] if parent >= 0 else 1.0))
+    return sum(paths)

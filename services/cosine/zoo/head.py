@@ -127,13 +127,14 @@ def _losses(head: FeatureHead, data: Features, index: torch.Tensor, vmap: torch.
 
 
 @torch.inference_mode()
-def evaluate(head: FeatureHead, data: Features, depth: int = 4, dtype: torch.dtype | None = None) -> dict:
+def evaluate(head: FeatureHead, data: Features, depth: int = 4, dtype: torch.dtype | None = None,
+             index: torch.Tensor | None = None) -> dict:
     """Chains drafted from each position's true feature and token, as serving drafts them: how many tokens in a
     row the target wrote (``accepted[k]``: the share of chains whose first k + 1 tokens match) and the tokens a
     step commits drafting d at every step (1 + the expected matched prefix, capped at d). ``path_probability[k]``:
-    the head's mean confidence in the first k + 1 tokens (the product of its probabilities), which the verifier's
-    cost rule reads as the chance they are accepted."""
-    index = data.pairs
+    the head's mean confidence in the first k + 1 tokens (the product of its calibrated probabilities), which the
+    verifier's cost rule reads as the chance they are accepted. ``index``: the pairs to draft from (all)."""
+    index = data.pairs if index is None else index
     f = data.f[index].to(dtype or head.fc.weight.dtype)
     tok = data.tokens[index]
     alive = torch.ones(len(index), dtype=torch.bool)
@@ -141,7 +142,7 @@ def evaluate(head: FeatureHead, data: Features, depth: int = 4, dtype: torch.dty
     accepted, confidence = [], []
     for k in range(depth):
         f = head.step(f, tok)
-        best, at = torch.softmax(head.logits(f).float(), -1).max(-1)
+        best, at = head.probs(head.logits(f), k).max(-1)
         tok = head.vocab_ids[at]
         path = path * best
         ahead = 1 + k  # the row whose token x[t + 2 + k] this predicts
@@ -152,6 +153,104 @@ def evaluate(head: FeatureHead, data: Features, depth: int = 4, dtype: torch.dty
         confidence.append(round(path.mean().item(), 4))  # calibrated: close to accepted[k]
     return {"accepted": accepted, "path_probability": confidence, "tokens_per_step": {d: round(1 + sum(accepted[:d]), 3) for d in range(1, depth + 1)},
             "positions": len(index)}
+
+
+def halves(data: Features) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs of the even-numbered samples and those of the odd-numbered ones (no sample in both)."""
+    sample = torch.searchsorted(torch.unique(data.end), data.end[data.pairs])
+    even = sample % 2 == 0
+    return data.pairs[even], data.pairs[~even]
+
+
+TEMPERATURES = torch.exp(torch.linspace(math.log(0.25), math.log(8.0), 31))
+
+
+@torch.inference_mode()
+def fit_temperatures(head: FeatureHead, data: Features, index: torch.Tensor, depth: int = 4) -> list[float]:
+    """Per draft step, the temperature (of `TEMPERATURES`) under which the probability of the head's best token
+    best predicts whether the target wrote it (least log loss), over the chains still alive at that step (every
+    earlier token written), drafted greedily as serving drafts them."""
+    f = data.f[index].to(head.fc.weight.dtype)
+    tok = data.tokens[index]
+    alive = torch.ones(len(index), dtype=torch.bool)
+    out: list[float] = []
+    for k in range(depth):
+        f = head.step(f, tok)
+        logits = head.logits(f).float()
+        tok = head.vocab_ids[logits.argmax(-1)]
+        ahead = 1 + k
+        valid = data.within(index, ahead)
+        right = tok == data.tokens[(index + ahead).clamp(max=len(data.tokens) - 1)]
+        rows = alive & valid
+        if int(rows.sum()) < 50:  # too few to fit: the step before's
+            out.append(out[-1] if out else 1.0)
+            continue
+        shifted = logits[rows] - logits[rows].max(-1, keepdim=True).values
+        hit = right[rows].float()
+        losses = []
+        for t in TEMPERATURES.tolist():
+            p = torch.exp(-torch.logsumexp(shifted / t, -1)).clamp(1e-6, 1 - 1e-6)  # the best token's probability
+            losses.append(float(F.binary_cross_entropy(p, hit)))
+        out.append(round(float(TEMPERATURES[min(range(len(losses)), key=losses.__getitem__)]), 3))
+        alive = rows & right
+    return out
+
+
+@torch.inference_mode()
+def evaluate_trees(head: FeatureHead, data: Features, floor: float, nodes: int, index: torch.Tensor | None = None) -> dict:
+    """What the verifier's drafting from the head commits per step at a cost floor (`RunLookup.min_path`): the
+    greedy chain cut at the floor against the tree of every continuation passing it (`FeatureHead.trees`), each
+    of at most ``nodes`` nodes, from each held-out position's true feature: tokens a step commits (1 + the longest
+    path of the draft the target wrote) and draft nodes a step verifies."""
+    index = data.pairs if index is None else index
+    f = data.f[index].to(head.fc.weight.dtype)
+    last = data.tokens[index].tolist()
+    ids, probs = head.draft(f, last, nodes, floor)
+    out = {}
+    for kind, trees in (("chain", [_cut_chain(t, p, floor) for t, p in zip(ids, probs)]),
+                        ("tree", head.trees(f, last, nodes, floor))):
+        committed = positions = 0
+        for row, tree in zip(index.tolist(), trees):
+            depth, at = 0, -1
+            while row + 1 + depth <= int(data.end[row]):
+                truth = int(data.tokens[row + 1 + depth])
+                child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == at and t == truth), None)
+                if child is None:
+                    break
+                at, depth = child, depth + 1
+            committed += 1 + depth
+            positions += len(tree)
+        out[kind] = {"tokens_per_step": round(committed / len(index), 3), "nodes_per_step": round(positions / len(index), 3)}
+    return out | {"floor": round(floor, 3), "nodes": nodes, "positions": len(index)}
+
+
+def _cut_chain(tokens: list[int], probs: list[float], floor: float):
+    from cosine.engine.tree import DraftTree
+
+    path, keep = 1.0, 0
+    for p in probs:
+        path *= p
+        if path < floor:
+            break
+        keep += 1
+    return DraftTree.chain(tokens[:keep], probs[:keep])
+
+
+def calibrate(head: FeatureHead, held: Features, bar: Progress | None = None) -> dict:
+    """Fit the head's temperatures on half the held-out samples and check them on the other half: the mean path
+    probability against the share of chains the target wrote that far, before and after."""
+    if bar is not None:
+        bar.note("calibrating the feature head's probabilities on held-out samples")
+    fit, check = halves(held)
+    if len(fit) == 0 or len(check) == 0:
+        return {}
+    head.temperatures = []
+    before = evaluate(head, held, dtype=torch.float32, index=check)
+    head.temperatures = fit_temperatures(head, held, fit)
+    after = evaluate(head, held, dtype=torch.float32, index=check)
+    return {"calibration": {"temperatures": head.temperatures, "fitted_on": len(fit), "checked_on": len(check),
+                            "accepted": after["accepted"], "path_probability_before": before["path_probability"],
+                            "path_probability_after": after["path_probability"]}}
 
 
 def train(head: FeatureHead, data: Features, cfg: HeadConfig, bar: Progress | None = None) -> dict:
@@ -224,8 +323,14 @@ def build_head(target_dir: Path, samples: list[Sample], held_samples: list[Sampl
     result = train(head, data, cfg, bar)
     head.eval()
     report = {"training": result | {"positions": int(len(data.pairs)), "samples": len(samples),
-                                    "feature_seconds": round(extract_s, 1), "feature_dtype": str(dtype).replace("torch.", "")},
-              "held_out": evaluate(head, held, dtype=torch.float32) if held is not None else None}
+                                    "feature_seconds": round(extract_s, 1), "feature_dtype": str(dtype).replace("torch.", "")}}
+    if held is not None:
+        report |= calibrate(head, held, bar)
+        report["held_out"] = evaluate(head, held, dtype=torch.float32)
+        from cosine.verifier.lookup import RunLookup
+
+        floors = RunLookup()  # the verifier's cost rule at its default row cost; 8 nodes: the scheduler's default
+        report["held_out_trees"] = {f"batch {b}": evaluate_trees(head, held, floors.min_path(b), 8) for b in (1, 2)}
     import shutil
 
     from cosine.zoo.registry import ModelEntry, write_card

@@ -3,6 +3,7 @@ training, and the verifier's steps with it: the same tokens with it on and off, 
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -15,7 +16,7 @@ from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
 from cosine.verifier.lookup import RunLookup
 from cosine.zoo.distill import Sample
-from cosine.zoo.head import HeadConfig, build_head, evaluate, extract
+from cosine.zoo.head import HeadConfig, build_head, evaluate, extract, fit_temperatures, halves
 from tests.unit.verifier.test_lookup import run_rounds
 
 pytestmark = pytest.mark.unit
@@ -78,18 +79,38 @@ def test_training_learns_a_pattern_the_features_carry(tiny_models, tmp_path, mon
     train, held = [sample(i) for i in range(14)], [sample(i) for i in range(3)]
     from cosine.engine.llama import NativeLlama
 
-    before = evaluate(random_head(path), extract(NativeLlama.from_pretrained(path), held), dtype=torch.float32)
+    held_features = extract(NativeLlama.from_pretrained(path), held)
+    before = evaluate(random_head(path), held_features, dtype=torch.float32)
     monkeypatch.setenv("COSINE_CACHE", str(tmp_path))
     out = tmp_path / "models" / "feature-head"
     report = build_head(path, train, held, out, HeadConfig(train_seconds=6.0, batch=64, lr=3e-3, vocab=64))
     assert report["training"]["steps"] > 0 and report["training"]["positions"] == 14 * 34  # every continuation token
     after = report["held_out"]["accepted"]
     assert after[0] > max(0.5, before["accepted"][0])
+    calibration = report["calibration"]  # fitted on held-out samples 0 and 2, checked on 1
+    assert len(calibration["temperatures"]) == 4 and calibration["fitted_on"] + calibration["checked_on"] == 3 * 34
+    trees = report["held_out_trees"]["batch 1"]
+    assert trees["tree"]["tokens_per_step"] >= trees["chain"]["tokens_per_step"] > 1.5  # the pattern is learnt
     from cosine.zoo.registry import find
 
     entry = find("feature-head")
     assert entry is not None and entry.kind == "head"
-    assert load_for_target("auto", path, "float32") is not None  # trained for this target: the verifier takes it
+    head = load_for_target("auto", path, "float32")  # trained for this target: the verifier takes it
+    assert head.temperatures == calibration["temperatures"]
+    # the less often the target writes what the head is sure of, the hotter its fitted temperature, and the
+    # calibrated confidence is then about the share of first tokens the target wrote
+    fit, _ = halves(held_features)
+    fitted = []
+    for share in (0.0, 0.1, 0.25):
+        noisy = copy.deepcopy(held_features)
+        flip = torch.rand(len(noisy.tokens), generator=torch.Generator().manual_seed(1)) < share
+        noisy.tokens[flip] = (noisy.tokens[flip] + 1) % 90 + 3  # tokens the head never saw follow these features
+        fitted.append(fit_temperatures(head, noisy, fit, depth=1)[0])
+        head.temperatures = fitted[-1:]
+        first = evaluate(head, noisy, depth=1, dtype=torch.float32, index=fit)
+        if share:
+            assert first["path_probability"][0] == pytest.approx(first["accepted"][0], abs=0.1)
+    assert fitted[0] < fitted[1] < fitted[2]
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_p=0.95, seed=7)], ids=["greedy", "seeded"])
@@ -132,3 +153,37 @@ def test_the_build_keeps_the_features_as_it_generates_and_the_head_trains_on_the
     assert report["training"]["steps"] > 0
     assert report["training"]["positions"] == sum(len(s.tokens) - s.prompt_len for s in samples)
     assert (tmp_path / "feature-head" / "head.safetensors").exists()
+
+
+def test_trees_branch_where_two_tokens_pass_the_floor_and_their_main_chain_is_the_greedy_chain(tiny_models):
+    path = tiny_models["llama"]
+    head = random_head(path)
+    features = torch.randn(3, head.hidden_size)
+    greedy, _ = head.draft(features, [1, 2, 3], 4)
+    for floor in (0.05, 0.1):  # an untrained head is unsure: several tokens pass a low floor
+        trees = head.trees(features, [1, 2, 3], 6, floor)
+        assert any(not t.is_chain() for t in trees)
+        for tree, chain in zip(trees, greedy):
+            paths = []
+            for p, parent in zip(tree.probs, tree.parents):
+                assert parent < len(paths)  # parents first
+                paths.append(p * (paths[parent] if parent >= 0 else 1.0))
+            assert all(x >= floor for x in paths) and paths == sorted(paths, reverse=True) and len(tree) <= 6
+            main = [tree.tokens[i] for i in tree.main_chain()]
+            assert main == chain[:len(main)]
+    chains = head.trees(features, [1, 2, 3], 4, 0.6)  # no two siblings pass 0.6: the greedy chains, cut at the floor
+    assert all(t.is_chain() and t.tokens == g[:len(t)] for t, g in zip(chains, greedy))
+
+
+def test_the_temperatures_are_saved_and_change_probabilities_not_choices(tiny_models, tmp_path):
+    path = tiny_models["llama"]
+    head = random_head(path)
+    features = torch.randn(2, head.hidden_size)
+    tokens, probs = head.draft(features, [1, 2], 3)
+    head.temperatures = [2.0, 3.0]
+    hotter, hot_probs = head.draft(features, [1, 2], 3)
+    assert hotter == tokens and all(h < p for hs, ps in zip(hot_probs, probs) for h, p in zip(hs, ps))
+    head.save(tmp_path / "h", target=path.name)
+    again = load_for_target(str(tmp_path / "h"), path, "float32")
+    assert again.temperatures == [2.0, 3.0] and again.draft(features, [1, 2], 3) == (hotter, hot_probs)
+

@@ -9,9 +9,9 @@ import pytest
 from cosine.common.streams import ModelWorker
 from cosine.engine.hf_target import VerifyOutcome
 from cosine.engine.sampling import Sampling
-from cosine.engine.tree import DraftTree
+from cosine.engine.tree import DraftTree, cut_tree
 from cosine.common.batching import BatchLimits, VerifyTimeModel
-from cosine.verifier.batcher import BatchStep, VerifyBatcher, _Pending, cut_tree, expected_committed
+from cosine.verifier.batcher import BatchStep, VerifyBatcher, _Pending, expected_committed
 
 
 class FakeEngine:

@@ -164,12 +164,23 @@ class ScriptedHead:
     """Stands in for the feature head in these policy tests (the real one runs in
     tests/unit/engine/test_feature_head.py): proposes a fixed chain with fixed probabilities, records its calls."""
 
-    def __init__(self, tokens, probs):
-        self.tokens, self.probs, self.calls = tokens, probs, []
+    def __init__(self, tokens, probs, parents=None):
+        self.tree = DraftTree(list(tokens), list(parents or range(-1, len(tokens) - 1)), list(probs))
+        self.calls = []
 
-    def draft(self, features, tokens, depth, floor=0.0):
-        self.calls.append((features.shape[0], list(tokens), depth, floor))
-        return [self.tokens[:depth]] * len(tokens), [self.probs[:depth]] * len(tokens)
+    def trees(self, features, tokens, nodes, floor):
+        """The scripted tree's nodes whose path probability passes the floor, the first ``nodes`` of them."""
+        self.calls.append((features.shape[0], list(tokens), nodes, floor))
+        paths, keep = [], []
+        for i, (p, parent) in enumerate(zip(self.tree.probs, self.tree.parents)):
+            paths.append(p * (paths[parent] if parent >= 0 else 1.0))
+            if paths[i] >= floor and (parent < 0 or parent in keep):
+                keep.append(i)
+        keep = keep[:nodes]
+        where = {old: new for new, old in enumerate(keep)}
+        tree = DraftTree([self.tree.tokens[i] for i in keep], [where.get(self.tree.parents[i], -1) for i in keep],
+                         [self.tree.probs[i] for i in keep])
+        return [tree] * len(tokens)
 
 
 def test_chains_take_the_head_or_the_lookup_whichever_is_expected_to_add_more():
@@ -187,6 +198,19 @@ def test_chains_take_the_head_or_the_lookup_whichever_is_expected_to_add_more():
     assert source == "lookup" and tree.tokens == [5, 6]  # a long repeat beats a head that is barely sure
     (tree, source), = unsure.chains([("s", [1, 2, 3], 2, feature)], batch=1)
     assert source == "head" and tree.tokens == [40]  # 0.35 pays alone (floor 0.3); 0.35·0.5 does not
+
+
+def test_a_head_tree_counts_every_branch_it_is_expected_to_add():
+    """Two likely first tokens, each passing the floor (0.3 alone) on its own: the head's tree keeps both, and
+    the ask's node budget keeps its likeliest nodes."""
+    import torch
+
+    head = ScriptedHead([40, 50, 41], [0.45, 0.4, 0.8], parents=[-1, -1, 0])
+    finder = RunLookup(head=head)
+    (tree, source), = finder.chains([("r", [1, 2, 3], 3, torch.zeros(4))], batch=1)
+    assert source == "head" and tree.parents == [-1, -1, 0] and tree.tokens == [40, 50, 41]
+    (tree, source), = finder.chains([("q", [1, 2, 3], 2, torch.zeros(4))], batch=1)
+    assert tree.tokens == [40, 50]  # the ask's node budget: the first nodes, which the head orders likeliest first
 
 
 def test_the_head_does_not_run_without_a_feature_or_where_no_chain_could_pay():
