@@ -108,11 +108,22 @@ def _zoo_head(args) -> int:
     except FileNotFoundError as exc:
         print(exc, file=sys.stderr)
         return 1
-    held = report["held_out"]
+    held = report.get("held_out")
     if held:
         print(f"held-out prompts ({held['positions']} positions): chains match the target's first "
               + ", ".join(f"{k + 1}: {a:.2f}" for k, a in enumerate(held["accepted"]))
               + "; tokens a step commits drafting d = " + ", ".join(f"{d}: {t:.2f}" for d, t in held["tokens_per_step"].items()))
+    calibration = report.get("calibration")
+    if calibration:
+        print(f"calibration (fitted on {calibration['fitted_on']} held-out positions, checked on the other "
+              f"{calibration['checked_on']}): temperatures " + ", ".join(f"{t:.2f}" for t in calibration["temperatures"])
+              + "; first k tokens written / the head's path probability before -> after: "
+              + ", ".join(f"{k + 1}: {a:.2f} / {b:.2f} -> {c:.2f}" for k, (a, b, c) in enumerate(zip(
+                  calibration["accepted"], calibration["path_probability_before"], calibration["path_probability_after"]))))
+    for load, row in (report.get("held_out_trees") or {}).items():
+        print(f"drafting at the verifier's cost floor for {load} ({row['floor']:.2f}, at most {row['nodes']} nodes): "
+              f"chain {row['chain']['tokens_per_step']:.2f} tokens a step with {row['chain']['nodes_per_step']:.2f} nodes, "
+              f"tree {row['tree']['tokens_per_step']:.2f} with {row['tree']['nodes_per_step']:.2f}")
     print(out)
     return 0
 

@@ -132,15 +132,16 @@ class FeatureHead(nn.Module):
         return torch.softmax(logits.float() / self.temperature(step), -1)
 
     @torch.inference_mode()
-    def trees(self, features: torch.Tensor, tokens: list[int], nodes: int, floor: float) -> list[DraftTree]:
+    def trees(self, features: torch.Tensor, tokens: list[int], nodes: int, floor: float,
+              chains: bool = False) -> list[DraftTree]:
         """One draft tree per (feature [hidden], last token): every continuation whose path probability (the
         product of the head's calibrated probabilities from the root) is at least ``floor``, the likeliest
         ``nodes`` of them. Each node's children are its most probable tokens, the likeliest first (so a tree's
         main chain is the greedy chain). Nodes are ordered by path probability, so any prefix of a tree is a tree,
         and the expected number of accepted tokens is the sum of the nodes' path probabilities where those are
         calibrated. Where ``floor`` is 0.5 or more no node has two children that pass it: the trees are chains,
-        drafted by `draft`."""
-        if floor >= 0.5 or floor <= 0:
+        drafted by `draft` (as they are with ``chains``: the greedy chain, cut where its path passes below the floor)."""
+        if chains or floor >= 0.5 or floor <= 0:
             ids, probs = self.draft(features, tokens, nodes, floor)
             out = []
             for toks, ps in zip(ids, probs):

@@ -45,6 +45,8 @@ class VerifierSettings(ModelSettings):
         "rounds that allow lookup: the drafter conditioned on the target's own features that drafts inside plain steps "
         "beside the lookup (`cosine zoo head` trains it). auto: the zoo's feature-head where it was trained for this "
         "target; off: none; else its directory"))
+    head_trees: bool = Field(True, description="the feature head drafts trees (a second candidate where two pass the "
+                             "cost floor, at one or two requests a step); false: greedy chains only")
     lookup_row_cost: float = Field(0.3, gt=0, lt=1, description="rounds that allow lookup (VerifyRound.lookup): what one more "
                                    "verified position costs, as a share of a one-request step; a looked-up token is verified "
                                    "where the chance the target accepts it pays for its position at the step's batch size")
@@ -105,7 +107,7 @@ async def serve(settings: VerifierSettings) -> GrpcService:
                          max_step_s=settings.max_step_ms / 1000 if settings.max_step_ms else None,
                          deadline_s=settings.deadline_ms / 1000 if settings.deadline_ms else None)
     batcher = VerifyBatcher(engine, worker, settings.max_batch, on_batch=on_batch, policy=settings.batch_policy, limits=limits,
-                            lookup=RunLookup(settings.lookup_row_cost, head=head))
+                            lookup=RunLookup(settings.lookup_row_cost, head=head, head_trees=settings.head_trees))
     lookup_tokens = Counter("cosine_verifier_lookup_tokens", "tokens the verifier drafted itself and verified with plain "
                             "steps (drafted) and those the target accepted (accepted), by source: lookup (the request's "
                             "own tokens) or head (the feature head)", ["outcome", "source"], registry=m.registry)

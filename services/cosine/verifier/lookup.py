@@ -44,7 +44,7 @@ class RunLookup:
     """Per request, a suffix index of its committed tokens, kept up to date from the engine's own record."""
 
     def __init__(self, row_cost: float = 0.3, max_match: int = 64, head: "FeatureHead | None" = None,
-                 head_max_floor: float = 0.75):
+                 head_max_floor: float = 0.75, head_trees: bool = True):
         if not 0 < row_cost < 1:
             raise ValueError(f"row_cost must be in (0, 1), got {row_cost}")
         self.row_cost = row_cost
@@ -52,6 +52,7 @@ class RunLookup:
         # The head runs for every ask of a step, whatever it then proposes; where a step's floor is this high
         # (8 requests and more at the default row cost) its chains would rarely pay: it does not run.
         self.head_max_floor = head_max_floor
+        self.head_trees = head_trees  # False: the head's greedy chain (its trees at a floor no two siblings pass)
         self._drafter = SuffixDrafter("lookup", memory=None, max_match=max_match, min_prob=row_cost)
         self._seen: dict[str, int] = {}  # request id -> committed tokens its index holds
 
@@ -102,7 +103,9 @@ class RunLookup:
 
         nodes = max(asks[i][2] for i in with_feature)
         features = torch.stack([asks[i][3] for i in with_feature])
-        trees = self.head.trees(features, [asks[i][1][-1] for i in with_feature], nodes, self.min_path(batch))
+        floor = self.min_path(batch)
+        trees = self.head.trees(features, [asks[i][1][-1] for i in with_feature], nodes, floor,
+                                chains=not self.head_trees)
         for i, tree in zip(with_feature, trees):
             tree = cut_tree(tree, asks[i][2])  # its likeliest nodes (the head orders them so)
             if _expected(tree) > _expected(found[i][0]):

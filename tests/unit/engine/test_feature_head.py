@@ -173,6 +173,8 @@ def test_trees_branch_where_two_tokens_pass_the_floor_and_their_main_chain_is_th
             assert main == chain[:len(main)]
     chains = head.trees(features, [1, 2, 3], 4, 0.6)  # no two siblings pass 0.6: the greedy chains, cut at the floor
     assert all(t.is_chain() and t.tokens == g[:len(t)] for t, g in zip(chains, greedy))
+    chains = head.trees(features, [1, 2, 3], 4, 0.05, chains=True)  # chains asked for (the verifier's head_trees off)
+    assert all(t.is_chain() and t.tokens == g[:len(t)] for t, g in zip(chains, greedy)) and any(len(t) for t in chains)
 
 
 def test_the_temperatures_are_saved_and_change_probabilities_not_choices(tiny_models, tmp_path):

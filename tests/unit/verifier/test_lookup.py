@@ -168,7 +168,7 @@ class ScriptedHead:
         self.tree = DraftTree(list(tokens), list(parents or range(-1, len(tokens) - 1)), list(probs))
         self.calls = []
 
-    def trees(self, features, tokens, nodes, floor):
+    def trees(self, features, tokens, nodes, floor, chains=False):
         """The scripted tree's nodes whose path probability passes the floor, the first ``nodes`` of them."""
         self.calls.append((features.shape[0], list(tokens), nodes, floor))
         paths, keep = [], []
