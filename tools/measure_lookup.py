@@ -1,5 +1,5 @@
 """The verifier's own drafting on the real target, engine only: plain steps against plain steps with the lookup,
-and with the lookup and the feature head (where `cosine zoo head` trained one), interleaved.
+with the lookup and the feature head's chains, and with its trees (where `cosine zoo head` trained one), interleaved.
 
     PYTHONPATH=services python tools/measure_lookup.py --dtype bfloat16 --rounds 3
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import time
 
 import torch
@@ -64,6 +65,8 @@ def main() -> None:
     ap.add_argument("--workload", default="zoo", choices=["zoo", "unlike"],
                     help="the bench's prompts: the zoo's held-out ones, or 16 hand-written ones unlike the zoo's")
     ap.add_argument("--head", default="auto", help="the feature head (COSINE_VERIFIER_FEATURE_HEAD; off: lookup only)")
+    ap.add_argument("--uncalibrated", action="store_true",
+                    help="also the head's chains with its probabilities as trained (mode raw; its temperatures set aside)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -90,7 +93,12 @@ def main() -> None:
         head = await worker.load(load_for_target, args.head, path, args.dtype)
         finders = {"plain": RunLookup(args.row_cost), "lookup": RunLookup(args.row_cost)}
         if head is not None:
+            finders["chain"] = RunLookup(args.row_cost, head=head, head_trees=False)
             finders["head"] = RunLookup(args.row_cost, head=head)
+            if args.uncalibrated and head.temperatures:
+                raw = copy.copy(head)  # the same weights, its probabilities as trained
+                raw.temperatures = []
+                finders["raw"] = RunLookup(args.row_cost, head=raw, head_trees=False)
         modes = list(finders)
         totals.update({m: [0, 0, 0.0, 0, 0] for m in modes})
         try:
@@ -115,7 +123,9 @@ def main() -> None:
     asyncio.run(measure())
     print(f"{len(prompts)} prompts ({args.workload}) x {args.rounds} rounds, {args.tokens} tokens, {args.dtype}, {args.threads} threads, "
           f"runs of {args.run} steps, lookup {args.lookup}, row cost {args.row_cost}")
-    print(f"modes: plain; lookup; head = lookup and the feature head ({'none trained' if head is None else 'trained'})")
+    print(f"modes: plain; lookup; chain = lookup and the feature head's greedy chains; head = lookup and the head's "
+          f"trees (the verifier's default); raw = chain with the head's uncalibrated probabilities "
+          f"({'no head trained' if head is None else f'head temperatures {head.temperatures}'})")
     print(f"{'mode':8} {'tokens':>7} {'steps':>6} {'tok/step':>8} {'ms/token':>9} {'x plain':>8} {'head acc/drafted':>17}")
     pn, _, ps, _, _ = totals["plain"]
     for mode, (n, steps, seconds, hd, ha) in totals.items():
