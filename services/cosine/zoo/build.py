@@ -470,6 +470,12 @@ def format_table(report: dict, depth: int = 4) -> str:
             cal = s["by_domain"][d].get("calibration") or {}
             cells.append(f"{cal['ece']:.3f}/{cal['over']:+.3f}" if cal.get("ece") is not None else "-")
         lines.append(f"{s['drafter']:<14} " + " ".join(f"{c:>18}" for c in cells))
+    head = report.get("feature_head")
+    if head:
+        lines.append(f"{'feature-head':<14} (the verifier's, as `cosine zoo head` measured it on the held-out prompts: half to fit "
+                     "a temperature per draft step, half to check) first k tokens written / path probability: "
+                     + ", ".join(f"{k + 1}: {a:.2f}/{p:.2f}" for k, (a, p) in enumerate(zip(head["accepted"], head["path_probability_after"])))
+                     + "; temperatures " + ", ".join(f"{t:.2f}" for t in head["temperatures"]))
     lines.append(f"target step {report['target_step_ms']} ms; verifying d+1 tokens costs "
                  + ", ".join(f"d={d}: {v}" for d, v in report["verify_ratio"].items()) + " target steps")
     return "\n".join(lines)
@@ -504,6 +510,17 @@ def annotate_cards(report: dict) -> None:
             f"| held-out domain | top-1 agreement | τ at depth 4 |\n|---|---|---|\n{rows}\n")
 
 
+def head_calibration() -> dict | None:
+    """The zoo's feature head's calibration as `cosine zoo head` checked it (its card), or None."""
+    from cosine.engine.feature_head import CONFIG
+    from cosine.zoo.head import NAME
+
+    entry = find(NAME)
+    if entry is None or not entry.path or not (Path(entry.path) / CONFIG).exists():
+        return None
+    return json.loads((Path(entry.path) / CONFIG).read_text()).get("calibration")
+
+
 def run_eval(names: list[str] | None = None, seed: int = 0, out: Path | None = None) -> tuple[dict, dict[str, Path]]:
     cfg = BuildConfig(seed=seed)
     with Progress("cosine zoo eval", expected_s=120) as progress:
@@ -512,6 +529,7 @@ def run_eval(names: list[str] | None = None, seed: int = 0, out: Path | None = N
         evalsets = held_out(target, cfg, bar=progress)
         progress.phase("evaluating the zoo")
         report = evaluate_zoo(target, evalsets, names, progress=progress.note)
+        report["feature_head"] = head_calibration()
         paths = write_report(report, out)
         annotate_cards(report)
     return report, paths

@@ -32,3 +32,15 @@ def test_an_underconfident_drafter_and_the_edges():
     assert calibration([], [])["ece"] is None
     with pytest.raises(ValueError):
         calibration([0.5], [])
+
+
+def test_zoo_eval_prints_the_feature_heads_calibration_where_its_card_has_it():
+    from cosine.zoo.build import format_table
+
+    row = {"tau": {4: 1.5}, "agreement": 0.4, "speedup": {1: 1.1}, "calibration": {"ece": 0.05, "over": 0.01}}
+    report = {"domains": ["code"], "target_step_ms": 9.0, "verify_ratio": {1: 1.08},
+              "drafters": [{"drafter": "lm-code", "domain": "code", "cost_ratio": 0.1, "by_domain": {"code": row}}]}
+    assert "feature-head" not in format_table(report)
+    report["feature_head"] = {"accepted": [0.45, 0.23], "path_probability_after": [0.49, 0.23], "temperatures": [1.59, 1.78]}
+    line = next(line for line in format_table(report).splitlines() if line.startswith("feature-head"))
+    assert "1: 0.45/0.49, 2: 0.23/0.23" in line and "temperatures 1.59, 1.78" in line
