@@ -143,16 +143,7 @@ class FeatureHead(nn.Module):
         drafted by `draft` (as they are with ``chains``: the greedy chain, cut where its path passes below the floor)."""
         if chains or floor >= 0.5 or floor <= 0:
             ids, probs = self.draft(features, tokens, nodes, floor)
-            out = []
-            for toks, ps in zip(ids, probs):
-                path, keep = 1.0, 0
-                for p in ps:
-                    path *= p
-                    if path < floor:
-                        break
-                    keep += 1
-                out.append(DraftTree.chain(toks[:keep], ps[:keep]))
-            return out
+            return [DraftTree.chain_above(toks, ps, floor) for toks, ps in zip(ids, probs)]
         if self._ready is None:
             self.prepare()
         k = min(self.vocab_ids.numel(), int(1 / floor) + 1)  # no more siblings than that can pass the floor

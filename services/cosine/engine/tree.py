@@ -21,6 +21,25 @@ class DraftTree:
     def chain(cls, tokens: list[int], probs: list[float] | None = None) -> "DraftTree":
         return cls(list(tokens), list(range(-1, len(tokens) - 1)), list(probs or [1.0] * len(tokens)))
 
+    @classmethod
+    def chain_above(cls, tokens: list[int], probs: list[float], floor: float) -> "DraftTree":
+        """The chain's prefix whose path probability (the product of ``probs`` from the root) stays at or above
+        ``floor``."""
+        path, keep = 1.0, 0
+        for p in probs:
+            path *= p
+            if path < floor:
+                break
+            keep += 1
+        return cls.chain(tokens[:keep], probs[:keep])
+
+    def path_probs(self) -> list[float]:
+        """Each node's path probability: the product of ``probs`` from the root to it."""
+        paths: list[float] = []
+        for p, parent in zip(self.probs, self.parents):
+            paths.append(p * (paths[parent] if parent >= 0 else 1.0))
+        return paths
+
     def __len__(self) -> int:
         return len(self.tokens)
 

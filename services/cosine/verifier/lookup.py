@@ -76,18 +76,7 @@ class RunLookup:
             new = committed[seen:]
         self._seen[request_id] = len(committed)
         tokens, probs = self._drafter.draft(request_id, new, depth)
-        return self._paying(tokens, probs, self.min_path(batch))
-
-    @staticmethod
-    def _paying(tokens: list[int], probs: list[float], floor: float) -> DraftTree:
-        """The chain's prefix whose path probability stays at or above ``floor``."""
-        path, keep = 1.0, 0
-        for p in probs:
-            path *= p
-            if path < floor:
-                break
-            keep += 1
-        return DraftTree(tokens[:keep], list(range(-1, keep - 1)), probs[:keep])
+        return DraftTree.chain_above(tokens, probs, self.min_path(batch))
 
     def chains(self, asks: Sequence[tuple[str, list[int], int, "torch.Tensor | None"]],
                batch: int = 1) -> list[tuple[DraftTree, str]]:
@@ -122,7 +111,4 @@ class RunLookup:
 
 def _expected(tree: DraftTree) -> float:
     """Tokens a tree is expected to add: Σ of its nodes' path probabilities."""
-    paths: list[float] = []
-    for p, parent in zip(tree.probs, tree.parents):
-        paths.append(p * (paths[parent] if parent >= 0 else 1.0))
-    return sum(paths)
+    return sum(tree.path_probs())

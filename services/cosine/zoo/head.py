@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from cosine.common.progress import Progress
 from cosine.engine.feature_head import FeatureHead, TargetWeights
 from cosine.engine.llama import NativeLlama, Seq
+from cosine.engine.tree import DraftTree
 from cosine.zoo.distill import Sample
 
 NAME = "feature-head"
@@ -207,7 +208,7 @@ def evaluate_trees(head: FeatureHead, data: Features, floor: float, nodes: int, 
     last = data.tokens[index].tolist()
     ids, probs = head.draft(f, last, nodes, floor)
     out = {}
-    for kind, trees in (("chain", [_cut_chain(t, p, floor) for t, p in zip(ids, probs)]),
+    for kind, trees in (("chain", [DraftTree.chain_above(t, p, floor) for t, p in zip(ids, probs)]),
                         ("tree", head.trees(f, last, nodes, floor))):
         committed = positions = 0
         for row, tree in zip(index.tolist(), trees):
@@ -222,18 +223,6 @@ def evaluate_trees(head: FeatureHead, data: Features, floor: float, nodes: int, 
             positions += len(tree)
         out[kind] = {"tokens_per_step": round(committed / len(index), 3), "nodes_per_step": round(positions / len(index), 3)}
     return out | {"floor": round(floor, 3), "nodes": nodes, "positions": len(index)}
-
-
-def _cut_chain(tokens: list[int], probs: list[float], floor: float):
-    from cosine.engine.tree import DraftTree
-
-    path, keep = 1.0, 0
-    for p in probs:
-        path *= p
-        if path < floor:
-            break
-        keep += 1
-    return DraftTree.chain(tokens[:keep], probs[:keep])
 
 
 def calibrate(head: FeatureHead, held: Features, bar: Progress | None = None) -> dict:

@@ -168,10 +168,8 @@ def test_trees_branch_where_two_tokens_pass_the_floor_and_their_main_chain_is_th
         trees = head.trees(features, [1, 2, 3], 6, floor)
         assert any(not t.is_chain() for t in trees)
         for tree, chain in zip(trees, greedy):
-            paths = []
-            for p, parent in zip(tree.probs, tree.parents):
-                assert parent < len(paths)  # parents first
-                paths.append(p * (paths[parent] if parent >= 0 else 1.0))
+            assert all(parent < i for i, parent in enumerate(tree.parents))  # parents first
+            paths = tree.path_probs()
             assert all(x >= floor for x in paths) and paths == sorted(paths, reverse=True) and len(tree) <= 6
             main = [tree.tokens[i] for i in tree.main_chain()]
             assert main == chain[:len(main)]

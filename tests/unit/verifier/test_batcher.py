@@ -72,6 +72,13 @@ def test_cut_tree_is_a_prefix_and_a_tree():
     assert cut_tree(t, 9) is t
 
 
+def test_a_chain_above_a_floor_stops_where_its_path_probability_falls_below_it():
+    t = DraftTree.chain_above([5, 6, 7], [0.9, 0.5, 0.8], 0.4)
+    assert t.tokens == [5, 6] and t.is_chain() and t.path_probs() == pytest.approx([0.9, 0.45])
+    assert len(DraftTree.chain_above([5], [0.3], 0.4)) == 0
+    assert DraftTree([5, 6, 7], [-1, 0, -1], [0.5, 0.5, 0.25]).path_probs() == pytest.approx([0.5, 0.25, 0.25])
+
+
 def test_fifo_takes_the_oldest_up_to_max_batch_whatever_the_trees():
     engine = FakeEngine({f"r{i}": 10 for i in range(5)})
     queue = [pending(f"r{i}", chain(50)) for i in range(5)]

@@ -171,9 +171,9 @@ class ScriptedHead:
     def trees(self, features, tokens, nodes, floor, chains=False):
         """The scripted tree's nodes whose path probability passes the floor, the first ``nodes`` of them."""
         self.calls.append((features.shape[0], list(tokens), nodes, floor))
-        paths, keep = [], []
-        for i, (p, parent) in enumerate(zip(self.tree.probs, self.tree.parents)):
-            paths.append(p * (paths[parent] if parent >= 0 else 1.0))
+        paths = self.tree.path_probs()
+        keep = []
+        for i, parent in enumerate(self.tree.parents):
             if paths[i] >= floor and (parent < 0 or parent in keep):
                 keep.append(i)
         keep = keep[:nodes]
