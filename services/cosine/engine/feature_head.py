@@ -158,15 +158,14 @@ class FeatureHead(nn.Module):
             keep = (paths >= floor).nonzero().tolist()
             if not keep:
                 break
+            paths_l, probs_l, toks_l = paths.tolist(), top_p.tolist(), self.vocab_ids[top_i].tolist()  # read once
             at, nxt, new = [], [], []
             for r, j in keep:
-                request, _, path = rows[r]
-                node = len(found[request])
-                found[request].append((float(paths[r, j]), step + 1, int(self.vocab_ids[top_i[r, j]]),
-                                       float(top_p[r, j]), rows[r][1]))
+                request, parent, _ = rows[r]
+                new.append((request, len(found[request]), paths_l[r][j]))
+                found[request].append((paths_l[r][j], step + 1, toks_l[r][j], probs_l[r][j], parent))
                 at.append(r)
-                nxt.append(found[request][-1][2])
-                new.append((request, node, float(paths[r, j])))
+                nxt.append(toks_l[r][j])
             f, tok, rows = y[torch.tensor(at)], torch.tensor(nxt, dtype=torch.long), new
         return [_ordered(nodes_of, nodes) for nodes_of in found]
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from cosine.common.progress import Progress
 from cosine.engine.feature_head import FeatureHead, TargetWeights
 from cosine.engine.llama import NativeLlama, Seq
-from cosine.engine.tree import DraftTree
+from cosine.engine.tree import DraftTree, walk
 from cosine.zoo.distill import Sample
 
 NAME = "feature-head"
@@ -212,14 +212,10 @@ def evaluate_trees(head: FeatureHead, data: Features, floor: float, nodes: int, 
                         ("tree", head.trees(f, last, nodes, floor))):
         committed = positions = 0
         for row, tree in zip(index.tolist(), trees):
-            depth, at = 0, -1
-            while row + 1 + depth <= int(data.end[row]):
-                truth = int(data.tokens[row + 1 + depth])
-                child = next((i for i, (t, p) in enumerate(zip(tree.tokens, tree.parents)) if p == at and t == truth), None)
-                if child is None:
-                    break
-                at, depth = child, depth + 1
-            committed += 1 + depth
+            truth = data.tokens[row + 1:int(data.end[row]) + 1].tolist()  # what the target wrote after the row
+            wrote = [truth[d] if d < len(truth) else -1 for d in [0, *tree.depths()]]  # its choice after each node
+            path, _ = walk(tree, wrote)
+            committed += 1 + len(path)
             positions += len(tree)
         out[kind] = {"tokens_per_step": round(committed / len(index), 3), "nodes_per_step": round(positions / len(index), 3)}
     return out | {"floor": round(floor, 3), "nodes": nodes, "positions": len(index)}
