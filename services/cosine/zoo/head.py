@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from cosine.common.progress import Progress
 from cosine.engine.feature_head import FeatureHead, TargetWeights
 from cosine.engine.llama import NativeLlama, Seq
-from cosine.engine.tree import DraftTree, walk
+from cosine.engine.tree import walk
 from cosine.zoo.distill import Sample
 
 NAME = "feature-head"
@@ -206,10 +206,8 @@ def evaluate_trees(head: FeatureHead, data: Features, floor: float, nodes: int, 
     index = data.pairs if index is None else index
     f = data.f[index].to(head.fc.weight.dtype)
     last = data.tokens[index].tolist()
-    ids, probs = head.draft(f, last, nodes, floor)
     out = {}
-    for kind, trees in (("chain", [DraftTree.chain_above(t, p, floor) for t, p in zip(ids, probs)]),
-                        ("tree", head.trees(f, last, nodes, floor))):
+    for kind, trees in (("chain", head.trees(f, last, nodes, floor, chains=True)), ("tree", head.trees(f, last, nodes, floor))):
         committed = positions = 0
         for row, tree in zip(index.tolist(), trees):
             truth = data.tokens[row + 1:int(data.end[row]) + 1].tolist()  # what the target wrote after the row
