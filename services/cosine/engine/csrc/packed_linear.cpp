@@ -112,7 +112,12 @@ void panels(const Call<T>& c, int64_t v0, int64_t v1) {
     for (int64_t m0 = 0; m0 < c.M; m0 += MB) Tile1(c, m0, std::min<int64_t>(MB, c.M - m0), v);
 }
 
-constexpr int MB_F32 = 6, MB_BF16 = 4;  // rows per tile (measured: fp32 4x6 and bf16 4x4 fastest at 1-300 rows)
+// Rows per tile. fp32: 4x6 fastest at 1-300 rows. bf16: 4x6 up to BF16_WIDE_ROWS rows (a step of a few requests,
+// a draft tree), 4x4 beyond. The target's 30 layers' matmuls, 2 threads, AMD EPYC: 4x6 against 4x4 at 5 / 9 / 13
+// / 17 rows 7.2 / 8.8-8.9 / 10.9-11.1 / 12.6-12.9 against 8.2 / 9.8-11.2 / 11.6 / 13.8-13.9 ms (a row past a
+// multiple of 4 no longer costs a whole tile), equal at 1-4 rows, within 2 % either way at 24-64, 3-4 % slower
+// at 80-256 (a 6-row tile computes fewer rows per weight load than its register count suggests).
+constexpr int MB_F32 = 6, MB_BF16 = 6, MB_BF16_WIDE = 4, BF16_WIDE_ROWS = 24;
 
 at::Tensor pack_weight(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2, "cosine::pack_weight: a weight [N, K]");
@@ -164,7 +169,10 @@ at::Tensor packed_linear(const at::Tensor& x_, const at::Tensor& wp, const c10::
     const Call<B> c{x.data_ptr<B>(), wp.data_ptr<B>(), bias.has_value() ? b.data_ptr<B>() : nullptr,
                     residual.has_value() ? r.data_ptr<B>() : nullptr, out.data_ptr<B>(), M, K, N};
     at::parallel_for(0, N / 16, 4, [&](int64_t v0, int64_t v1) {
-      panels<B, MB_BF16, tile_bf16<4, MB_BF16>, tile_bf16<1, MB_BF16>>(c, v0, v1);
+      if (M > BF16_WIDE_ROWS)
+        panels<B, MB_BF16_WIDE, tile_bf16<4, MB_BF16_WIDE>, tile_bf16<1, MB_BF16_WIDE>>(c, v0, v1);
+      else
+        panels<B, MB_BF16, tile_bf16<4, MB_BF16>, tile_bf16<1, MB_BF16>>(c, v0, v1);
     });
   }
   return out;
