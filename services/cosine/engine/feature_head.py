@@ -18,8 +18,8 @@ steps, with no round trip, like the lookup (`cosine.verifier.lookup`). The targe
 token, so what the head proposes changes how many tokens a step commits, never which.
 
 Trained by `cosine zoo head` (`cosine.zoo.head`) on the target's own greedy continuations, whose features
-are the target's teacher-forced hidden states; two steps unrolled, so the second step learns from the first
-one's predicted feature as it will get it in serving. Its probabilities are then calibrated (one temperature
+are the target's teacher-forced hidden states; three steps unrolled, so the deeper steps learn from the step
+before's predicted feature as they will get it in serving. Its probabilities are then calibrated (one temperature
 per draft step, fitted on held-out samples) so that the cost rule reads them as chances of acceptance.
 """
 

@@ -5,9 +5,9 @@ every domain's training split) and their features, the target's teacher-forced f
 computed here in the dtype the verifier serves in. One head for all domains.
 
 Training pairs: for each continuation position, (``f[t]``, ``x[t+1]``) → the token ``x[t+2]`` (cross
-entropy over the head's vocabulary) and the feature ``f[t+1]`` (smooth L1); a second step fed the first
-one's predicted feature and ``x[t+2]`` → ``x[t+3]`` and ``f[t+2]``, so the second step learns from what it
-gets in serving. Evaluation: the domains' held-out splits (prompts the training never saw), drafting greedy
+entropy over the head's vocabulary) and the feature ``f[t+1]`` (smooth L1); then further steps unrolled, each
+fed the step before's predicted feature and the next token the target wrote (``x[t+2]`` → ``x[t+3]`` and
+``f[t+2]``, ...), so that the deeper steps learn from what they get in serving (`HeadConfig.unrolled`). Evaluation: the domains' held-out splits (prompts the training never saw), drafting greedy
 chains from the target's features as serving does, and counting how many tokens in a row match what the
 target wrote.
 """
@@ -39,7 +39,10 @@ class HeadConfig:
     batch: int = 512
     lr: float = 1e-3
     feature_weight: float = 1.0  # of the feature loss against the token loss
-    second_weight: float = 0.8  # of the second step's losses
+    # the weights of the unrolled steps' losses (the first step's, the second's, ...): serving drafts 3-4 tokens
+    # deep, and a step never trained on a predicted feature drifts (2 steps against 3 on the same data, 300 s each:
+    # held-out third tokens written 5.9 against 11.7 %, fourth 1.0 against 4.0 %)
+    unrolled: tuple[float, ...] = (1.0, 0.8, 0.6)
     dtype: str = "auto"  # the features' dtype: the verifier's
     seed: int = 0
 
@@ -111,19 +114,19 @@ def choose_vocab(samples: list[Sample], size: int) -> torch.Tensor:
 
 
 def _losses(head: FeatureHead, data: Features, index: torch.Tensor, vmap: torch.Tensor, cfg: HeadConfig) -> torch.Tensor:
-    f0 = data.f[index].float()
-    x1 = data.tokens[index]
-    y1 = head.step(f0, x1)
-    target1 = vmap[data.tokens[index + 1]]
-    loss = F.cross_entropy(head.logits(y1), target1, ignore_index=-1)
-    loss = loss + cfg.feature_weight * F.smooth_l1_loss(y1, data.f[index + 1].float())
-    two = data.within(index, 2)
-    if two.any():
-        i2 = index[two]
-        y2 = head.step(y1[two], data.tokens[i2 + 1])
-        l2 = F.cross_entropy(head.logits(y2), vmap[data.tokens[i2 + 2]], ignore_index=-1)
-        l2 = l2 + cfg.feature_weight * F.smooth_l1_loss(y2, data.f[i2 + 2].float())
-        loss = loss + cfg.second_weight * l2
+    """The unrolled steps' losses from the pairs at ``index``: step k is fed step k - 1's predicted feature (the
+    target's own at the first) and the token the target wrote there; it is scored on the next token and the next
+    feature, over the rows whose sample goes on that far."""
+    f, token, rows = data.f[index].float(), data.tokens[index], index
+    loss = torch.zeros(())
+    for k, weight in enumerate(cfg.unrolled):
+        y = head.step(f, token)
+        step = F.cross_entropy(head.logits(y), vmap[data.tokens[rows + 1]], ignore_index=-1)
+        loss = loss + weight * (step + cfg.feature_weight * F.smooth_l1_loss(y, data.f[rows + 1].float()))
+        on = data.within(rows, 2)  # the row after next is of the same sample: the next step has a token to learn
+        if k + 1 == len(cfg.unrolled) or not on.any():
+            return loss
+        f, token, rows = y[on], data.tokens[rows[on] + 1], rows[on] + 1
     return loss
 
 
