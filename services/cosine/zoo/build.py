@@ -66,6 +66,10 @@ class BuildConfig:
     # learning at 180 s (held-out first-token matches 43 % after 90 s, 50 % after 180, 54 % after 360)
     head_seconds: float = 180.0
     head_share: float = 0.15
+    # the steps the build's head unrolls (HeadConfig.unrolled): in 180 s a third step costs the first two more than
+    # it gives the third (this machine's 73 k positions: first 1-4 tokens written 42.9 / 18.0 / 4.4 / 0.8 % with two,
+    # 40.0 / 16.9 / 8.8 / 2.6 % with three); `cosine zoo head`'s 720 s take three
+    head_unrolled: tuple[float, ...] = (1.0, 0.8)
     force: bool = False
 
 
@@ -261,7 +265,7 @@ def build_feature_head(target: Target, cfg: BuildConfig, domains, evalsets: dict
     bar.phase(f"training the verifier's feature head for {seconds:.0f}s", expected_s=seconds + 20.0)
     out = models_dir() / NAME
     try:
-        build_head(target.dir, samples, held, out, HeadConfig(train_seconds=seconds, seed=cfg.seed), bar)
+        build_head(target.dir, samples, held, out, HeadConfig(train_seconds=seconds, seed=cfg.seed, unrolled=cfg.head_unrolled), bar)
     except ValueError as exc:  # too little data (a tiny budget): the verifier then looks up only
         bar.note(f"feature head not built: {exc}")
         return None

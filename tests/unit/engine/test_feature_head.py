@@ -16,7 +16,7 @@ from cosine.engine.sampling import Sampling
 from cosine.engine.tree import DraftTree
 from cosine.verifier.lookup import RunLookup
 from cosine.zoo.distill import Sample
-from cosine.zoo.head import HeadConfig, build_head, evaluate, extract, fit_temperatures, halves
+from cosine.zoo.head import Features, HeadConfig, _losses, build_head, evaluate, extract, fit_temperatures, halves
 from tests.unit.verifier.test_lookup import run_rounds
 
 pytestmark = pytest.mark.unit
@@ -112,6 +112,30 @@ def test_training_learns_a_pattern_the_features_carry(tiny_models, tmp_path, mon
         if share:
             assert first["path_probability"][0] == pytest.approx(first["accepted"][0], abs=0.1)
     assert fitted[0] < fitted[1] < fitted[2]
+
+
+@torch.no_grad()
+def test_each_unrolled_step_adds_its_weighted_loss_where_the_sample_goes_on_that_far(tiny_models):
+    head = random_head(tiny_models["llama"])
+    gen = torch.Generator().manual_seed(0)
+    lengths = [6, 2, 5]  # rows of three samples: the second has a first step's pair and nothing after it
+    rows = sum(lengths)
+    end = torch.cat([torch.full((n,), sum(lengths[:i + 1]) - 1) for i, n in enumerate(lengths)])
+    every = torch.arange(rows)
+    vocab = head.vocab_ids.numel()
+    data = Features(torch.randn(rows, head.hidden_size, generator=gen).to(torch.bfloat16),
+                    torch.randint(0, vocab, (rows,), generator=gen), end, every[every + 1 <= end])
+    vmap = torch.arange(vocab)
+
+    def loss(weights, index=data.pairs):
+        return float(_losses(head, data, index, vmap, HeadConfig(unrolled=weights)))
+
+    one, two, three = loss((1.0,)), loss((1.0, 0.8)), loss((1.0, 0.8, 0.6))
+    assert one < two < three
+    assert loss((1.0, 0.8, 0.0)) == pytest.approx(two, rel=1e-6)  # a zero weight adds nothing
+    assert loss((1.0, 0.0, 0.6)) > one  # the third step learns though the second's own loss is not counted
+    short = torch.tensor([6])  # the second sample's only pair: no row two ahead in its sample
+    assert loss((1.0, 0.8, 0.6), short) == pytest.approx(loss((1.0,), short), rel=1e-6)
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_p=0.95, seed=7)], ids=["greedy", "seeded"])
