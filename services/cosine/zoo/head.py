@@ -7,9 +7,9 @@ computed here in the dtype the verifier serves in. One head for all domains.
 Training pairs: for each continuation position, (``f[t]``, ``x[t+1]``) → the token ``x[t+2]`` (cross
 entropy over the head's vocabulary) and the feature ``f[t+1]`` (smooth L1); then further steps unrolled, each
 fed the step before's predicted feature and the next token the target wrote (``x[t+2]`` → ``x[t+3]`` and
-``f[t+2]``, ...), so that the deeper steps learn from what they get in serving (`HeadConfig.unrolled`). Evaluation: the domains' held-out splits (prompts the training never saw), drafting greedy
-chains from the target's features as serving does, and counting how many tokens in a row match what the
-target wrote.
+``f[t+2]``, ...), so that the deeper steps learn from what they get in serving (`HeadConfig.unrolled`).
+Evaluation: the domains' held-out splits (prompts the training never saw), drafting greedy chains from the
+target's features as serving does, and counting how many tokens in a row match what the target wrote.
 """
 
 from __future__ import annotations
