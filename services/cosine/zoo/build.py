@@ -265,7 +265,8 @@ def build_feature_head(target: Target, cfg: BuildConfig, domains, evalsets: dict
     bar.phase(f"training the verifier's feature head for {seconds:.0f}s", expected_s=seconds + 20.0)
     out = models_dir() / NAME
     try:
-        build_head(target.dir, samples, held, out, HeadConfig(train_seconds=seconds, seed=cfg.seed, unrolled=cfg.head_unrolled), bar)
+        head_cfg = HeadConfig(train_seconds=seconds, seed=cfg.seed, unrolled=cfg.head_unrolled)
+        build_head(target.dir, samples, held, out, head_cfg, bar)
     except ValueError as exc:  # too little data (a tiny budget): the verifier then looks up only
         bar.note(f"feature head not built: {exc}")
         return None

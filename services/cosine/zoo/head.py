@@ -46,6 +46,10 @@ class HeadConfig:
     dtype: str = "auto"  # the features' dtype: the verifier's
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        if not self.unrolled:
+            raise ValueError("unrolled needs the weight of at least the first step's loss")
+
 
 @dataclass
 class Features:
@@ -125,7 +129,7 @@ def _losses(head: FeatureHead, data: Features, index: torch.Tensor, vmap: torch.
         loss = loss + weight * (step + cfg.feature_weight * F.smooth_l1_loss(y, data.f[rows + 1].float()))
         on = data.within(rows, 2)  # the row after next is of the same sample: the next step has a token to learn
         if k + 1 == len(cfg.unrolled) or not on.any():
-            return loss
+            break
         f, token, rows = y[on], data.tokens[rows[on] + 1], rows[on] + 1
     return loss
 
@@ -210,7 +214,8 @@ def evaluate_trees(head: FeatureHead, data: Features, floor: float, nodes: int, 
     f = data.f[index].to(head.fc.weight.dtype)
     last = data.tokens[index].tolist()
     out = {}
-    for kind, trees in (("chain", head.trees(f, last, nodes, floor, chains=True)), ("tree", head.trees(f, last, nodes, floor))):
+    for kind, chains in (("chain", True), ("tree", False)):
+        trees = head.trees(f, last, nodes, floor, chains=chains)
         committed = positions = 0
         for row, tree in zip(index.tolist(), trees):
             truth = data.tokens[row + 1:int(data.end[row]) + 1].tolist()  # what the target wrote after the row

@@ -136,6 +136,8 @@ def test_each_unrolled_step_adds_its_weighted_loss_where_the_sample_goes_on_that
     assert loss((1.0, 0.0, 0.6)) > one  # the third step learns though the second's own loss is not counted
     short = torch.tensor([6])  # the second sample's only pair: no row two ahead in its sample
     assert loss((1.0, 0.8, 0.6), short) == pytest.approx(loss((1.0,), short), rel=1e-6)
+    with pytest.raises(ValueError):
+        HeadConfig(unrolled=())  # no step: nothing to learn
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.9, top_p=0.95, seed=7)], ids=["greedy", "seeded"])

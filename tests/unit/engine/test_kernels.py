@@ -80,7 +80,8 @@ def test_fp32_linear_rows_do_not_depend_on_their_call():
 def test_bf16_linear_rows_do_not_depend_on_their_call(n, k):
     """Bitwise: each row of a call of 1-300 rows (6-row tiles up to 24 rows and 4-row tiles past them, their
     tails, several column runs per thread) equals that row multiplied alone. oneDNN's bf16 kernel does not
-    promise this: on an AMD EPYC (AVX512-BF16) the target's down projection (576 x 1536) gave 2-4 of 64 rows other bits from 8 rows up."""
+    promise this: on an AMD EPYC (AVX512-BF16) the target's down projection (576 x 1536) gave 2-4 of 64 rows
+    other bits from 8 rows up."""
     gen = torch.Generator().manual_seed(0)
     w, b = _bf16(n, k, gen=gen), _bf16(n, gen=gen)
     wp = pack(w)
