@@ -29,6 +29,7 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from cosine.engine import kernels, layers
+from cosine.engine.greedy_head import GreedyHead
 from cosine.engine.kv_cache import SlotKVCache
+from cosine.engine.sampling import greedy_tokens
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,9 @@ class Seq:
     tokens: list[int]
     positions: list[int]  # RoPE position of each new token
     parents: list[int] | None = None  # None: causal chain; else local parent index (-1 = cached prefix)
-    logits: str = "all"  # "all", "last" or "none": which new tokens need logits
+    # "all", "last" or "none": which new tokens need logits; "greedy": every new token's row, but only its greedy
+    # token (the first index of its logits' maximum), returned as int64 [n] instead of logits
+    logits: str = "all"
     # Rows of a prompt's prefill: their numbers need only be a function of this Seq's own tokens and
     # cache (the same prompt prefilled alone or beside others gives the same bits), not equal to each
     # token decoded alone. A row-invariant (bf16) forward whose Seqs are all prompts then attends once
@@ -185,7 +190,7 @@ class NativeLlama:
     def __init__(self, spec: LlamaSpec, state: dict[str, torch.Tensor], config=None,
                  device: str = "cpu", dtype: torch.dtype = torch.float32, max_positions: int | None = None,
                  linear: str = "auto", small_rows: int | None = None, exact_rows: bool = True,
-                 attention: str = "auto", fused_step: bool = True):
+                 attention: str = "auto", fused_step: bool = True, greedy_head: bool = True):
         self.spec = spec
         self.device = torch.device(device)
         self.dtype = dtype
@@ -325,6 +330,13 @@ class NativeLlama:
                 L.qkv_w, L.o_w = self._pack(unpacked[f"{i}.qkv"]), self._pack(unpacked[f"{i}.o"])
                 L.gate_up_w, L.down_w = self._pack(unpacked[f"{i}.gate_up"]), self._pack(unpacked[f"{i}.down"])
         unpacked.clear()
+        # greedy_head: rows that need only their greedy token take it from a bf16 screen of the fp32 head and the
+        # few close candidates exact (`GreedyHead`: bitwise the full head's argmax, half its bytes; one decode
+        # row's head 2.5 against 1.5 ms here). fp32 on CoSine's kernels, where the CPU also runs the bf16 one;
+        # COSINE_GREEDY_HEAD=0 turns it off (every row's full logits, as before).
+        greedy_head = greedy_head and os.environ.get("COSINE_GREEDY_HEAD", "1") != "0"
+        self.greedy_head = (GreedyHead(self.lm_head) if greedy_head and self.kernel and dtype == torch.float32
+                            and GreedyHead.supported(self.device) else None)
         # exact: a row's bits must not depend on the rows that share its step, and here they do not (matmuls in
         # row_chunk calls, or CoSine's kernel): each new token then attends as its own problem. bf16/fp16 only:
         # fp32 rounds the last bits of a different order into a different token too rarely to pay for it
@@ -427,7 +439,8 @@ class NativeLlama:
     def from_pretrained(cls, path: str | Path, device: str = "cpu", dtype: str | torch.dtype = "auto",
                         max_positions: int | None = None, linear: str = "auto",
                         small_rows: int | None = None, exact_rows: bool = True,
-                        attention: str = "auto", fused_step: bool = True) -> "NativeLlama":
+                        attention: str = "auto", fused_step: bool = True,
+                        greedy_head: bool = True) -> "NativeLlama":
         from transformers import AutoConfig
 
         path = Path(path)
@@ -441,7 +454,7 @@ class NativeLlama:
         spec = spec_from_config(config)
         return cls(spec, _load_state_dict(path), config, device=device, dtype=dtype, max_positions=max_positions,
                    linear=linear, small_rows=small_rows, exact_rows=exact_rows, attention=attention,
-                   fused_step=fused_step)
+                   fused_step=fused_step, greedy_head=greedy_head)
 
     @staticmethod
     def supports(path: str | Path) -> bool:
@@ -690,7 +703,7 @@ class NativeLlama:
         spans: list[tuple[int, int] | None] = []
         off = 0
         for q, n in zip(batch, lengths):
-            if q.logits == "all":
+            if q.logits in ("all", "greedy"):
                 spans.append((len(want), n))
                 want.extend(range(off, off + n))
             elif q.logits == "last":
@@ -705,10 +718,32 @@ class NativeLlama:
         h = self._rms(hx, self.norm)
         if hidden == "only":  # the features alone (a drafter's training data): no head
             return [None if sp is None else h[sp[0]: sp[0] + sp[1]] for sp in spans]
-        if self.head_plain is not None and len(want) <= self.head_small_rows:
-            logits = F.linear(h, self.head_plain).float()
-        else:
-            logits = self._lin(h, self.lm_head, None).float()
-        if hidden:
-            return [None if sp is None else (logits[sp[0]: sp[0] + sp[1]], h[sp[0]: sp[0] + sp[1]]) for sp in spans]
-        return [None if sp is None else logits[sp[0]: sp[0] + sp[1]] for sp in spans]
+        greedy = [q.logits == "greedy" for q in batch]
+        rows = {True: [], False: []}  # the rows of h each kind reads, greedy (True) or logits
+        for sp, g in zip(spans, greedy):
+            if sp is not None:
+                rows[g].extend(range(sp[0], sp[0] + sp[1]))
+        h_of = {g: h if len(r) == len(want) else h[torch.tensor(r, device=dev)] for g, r in rows.items() if r}
+        logits = self._logits(h_of[False]) if False in h_of else None
+        tokens = None
+        if True in h_of:
+            if self.greedy_head is not None:
+                tokens = self.greedy_head.tokens(h_of[True], self._logits)
+            else:
+                tokens = torch.tensor(greedy_tokens(self._logits(h_of[True])), dtype=torch.long, device=dev)
+        result: list = []
+        at = {True: 0, False: 0}
+        for sp, g in zip(spans, greedy):
+            if sp is None:
+                result.append(None)
+                continue
+            part = (tokens if g else logits)[at[g]: at[g] + sp[1]]
+            at[g] += sp[1]
+            result.append((part, h[sp[0]: sp[0] + sp[1]]) if hidden else part)
+        return result
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's fp32 logits [R, vocab] of final hidden states h [R, hidden] (normed)."""
+        if self.head_plain is not None and h.shape[0] <= self.head_small_rows:
+            return F.linear(h, self.head_plain).float()
+        return self._lin(h, self.lm_head, None).float()

@@ -179,10 +179,12 @@ class NativeTarget:
             positions = [n_ctx - 1] + [n_ctx - 1 + d for d in depths]
             chain = tree.is_chain()
             parents = None if chain else [-1] + [p + 1 for p in tree.parents]
-            batch.append(Seq(req.slot, [req.tokens[-1], *tree.tokens], positions, parents))
+            # greedy rows need their argmax alone: the model may read a cheaper head for it (GreedyHead)
+            batch.append(Seq(req.slot, [req.tokens[-1], *tree.tokens], positions, parents,
+                             logits="greedy" if sampling.greedy else "all"))
             metas.append((req, tree, sampling, q, n_ctx, depths))
         out = self.model.forward(batch, self.cache, hidden=True)
-        logits_list = [lg for lg, _ in out]
+        logits_list = [lg for lg, _ in out]  # greedy items: tokens
 
         rejected = self._reject_batch([(m, lg) for m, lg in zip(metas, logits_list) if self._uses_q(m)])
         outcomes: list[VerifyOutcome] = []
@@ -191,8 +193,9 @@ class NativeTarget:
             if self._uses_q((req, tree, sampling, q, n_ctx, depths)):
                 accepted, bonus = rejected.pop(0)
                 path = list(range(len(accepted)))
-            else:
-                choice = RowChoices(logits, sampling, [n_ctx] + [n_ctx + d for d in depths])  # rows the walk reads
+            else:  # greedy: the rows' tokens (int64 [rows]); else logits, chosen as the walk reads them
+                choice = (logits.tolist() if sampling.greedy
+                          else RowChoices(logits, sampling, [n_ctx] + [n_ctx + d for d in depths]))
                 path, bonus = walk(tree, choice)
                 accepted = [tree.tokens[i] for i in path]
             self.cache.move(req.slot, [start + 1 + i for i in path], [start + 1 + j for j in range(len(path))])

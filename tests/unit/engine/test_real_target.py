@@ -42,6 +42,32 @@ def test_real_target_greedy_batch4_trees(target_dir):
         torch.set_num_threads(before)
 
 
+def test_real_target_fp32_greedy_head_gives_the_full_heads_argmax(target_dir):
+    """GreedyHead on the target's own hidden states (prompts of code, prose and chat, every row of each): the
+    token of each row equals the argmax of the full fp32 logits."""
+    from transformers import AutoTokenizer
+
+    from cosine.engine.llama import NativeLlama, Seq
+
+    model = NativeLlama.from_pretrained(target_dir, dtype="float32")
+    if model.greedy_head is None:
+        pytest.skip("no GreedyHead here (CoSine's fp32 and bf16 kernels do not both run)")
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    texts = ["def merge(a, b):\n    out = []\n    while a and b:\n", "The committee met on Tuesday to discuss the",
+             tok.apply_chat_template([{"role": "user", "content": "Why is the sky blue?"}], tokenize=False,
+                                     add_generation_prompt=True) + "The sky looks blue because"]
+    cache = model.new_cache(2, 256)
+    for text in texts:
+        ids = tok(text)["input_ids"]
+        slots = [cache.allocate(), cache.allocate()]
+        pos = list(range(len(ids)))
+        logits = model.forward([Seq(slots[0], ids, pos)], cache)[0]
+        tokens = model.forward([Seq(slots[1], ids, pos, logits="greedy")], cache)[0]
+        assert torch.equal(tokens, logits.argmax(dim=1)), text
+        for s in slots:
+            cache.release(s)
+
+
 def test_real_target_fp32_few_row_steps_on_plain_weights_equal_transformers(target_dir):
     """fp32 on oneDNN (where CoSine's kernel does not run): steps of at most small_rows rows multiply the plain
     weights, the LM head's included (MKL's GEMV, not oneDNN's prepacked kernel): one request decoded alone,
