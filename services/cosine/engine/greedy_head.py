@@ -50,48 +50,27 @@ class GreedyHead:
         self.w_norm = float(w.double().norm(dim=1).max())
         self.wb_norm = float(wb.double().norm(dim=1).max())
         self.d_norm = float(d.double().norm(dim=1).max())
-        u = 2.0 ** -24
-        self.gamma = k * u / (1 - k * u)
 
     @staticmethod
     def supported(device: torch.device) -> bool:
         """CoSine's kernels run here in both fp32 (the exact logits) and bf16 (the screen)."""
         return kernels.available(device, torch.float32) and kernels.available(device, torch.bfloat16)
 
-    def bound(self, x: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
-        """B per row of x [R, K] (float64 [R]): no logit of the row is further than B from its screened value."""
-        xd = x.double()
-        xb = x.to(torch.bfloat16).double()
-        nx, ne, nxb = xd.norm(dim=1), (xd - xb).norm(dim=1), xb.norm(dim=1)
-        top = approx.abs().amax(dim=1).double()
-        b = (self.gamma * nx * self.w_norm + 2 * self.gamma * nxb * self.wb_norm + nx * self.d_norm
-             + ne * self.wb_norm + top * 2.0 ** -8)
-        return b * 1.001 + 1e-5
-
     @torch.inference_mode()
     def tokens(self, x: torch.Tensor, full=None) -> torch.Tensor:
-        """The greedy token (int64 [R]) of each row of x [R, K] fp32. `full` (x -> [R, V] fp32 logits) serves
-        rows the screen cannot (anything not finite, or too many candidates); without it they raise."""
-        approx = torch.ops.cosine.packed_linear(x.to(torch.bfloat16), self.screen)
-        top = approx.amax(dim=1).double()
-        bound = self.bound(x, approx)
-        cut = (top - 2 * bound).float()
-        cut = torch.nextafter(cut, torch.full_like(cut, -float("inf")))  # at or below the exact cut
-        if not (torch.isfinite(cut).all() and torch.isfinite(x).all()):
-            return self._full(x, full)
-        rows, cols = (approx >= cut[:, None]).nonzero(as_tuple=True)
-        cand, where = torch.unique(cols, sorted=True, return_inverse=True)
-        if cand.numel() > MAX_CANDIDATES:
-            return self._full(x, full)
-        n = cand.numel()
-        w = self.packed[cand // 16, :, cand % 16]  # [n, K]: the candidates' fp32 rows
-        w = torch.cat([w, w.new_zeros((-n) % 16, self.k)])
-        exact = torch.ops.cosine.packed_linear(x, torch.ops.cosine.pack_weight(w))[:, :n]
-        if not torch.isfinite(exact[rows, where]).all():
-            return self._full(x, full)
-        pick = torch.full_like(exact, -float("inf"))
-        pick[rows, where] = exact[rows, where]
-        return cand[pick.argmax(dim=1)]
+        """The greedy token (int64 [R]) of each row of x [R, K] fp32 (`cosine::greedy_tokens`, one call). `full`
+        (x -> [R, V] fp32 logits) serves rows the screen cannot (anything not finite, or too many candidates);
+        without it they raise."""
+        tokens, _ = self.screened(x)
+        miss = tokens < 0
+        if bool(miss.any()):
+            tokens[miss] = self._full(x[miss], full)
+        return tokens
+
+    def screened(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens int64 [R], -1 where the screen cannot serve the row; bounds float64 [R])."""
+        return torch.ops.cosine.greedy_tokens(x.float(), self.screen, self.packed, self.w_norm, self.wb_norm,
+                                              self.d_norm, MAX_CANDIDATES)
 
     @staticmethod
     def _full(x: torch.Tensor, full) -> torch.Tensor:

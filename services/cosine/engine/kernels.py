@@ -19,7 +19,8 @@ plain decoding's order wherever the cache stores them, with every sum in that or
 keys alone, so a draft tree's nodes get plain decoding's logits (in bf16 too), and it is about 2x cheaper than
 SDPA at a step's shapes. `decoder_step` (`csrc/decoder_step.cpp`): every decoder layer of such a step in one call
 over the two (norms, RoPE, cache writes and SwiGLU as loops over each row's own elements): real target, 2 threads,
-bf16 one-token step 5.6 against 6.9 ms through the TorchScript layers.
+bf16 one-token step 5.6 against 6.9 ms through the TorchScript layers. `greedy_tokens` (`csrc/greedy_head.cpp`):
+a greedy row's token from a bf16 screen of the fp32 head, bitwise the full head's argmax (`greedy_head.py`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ log = logging.getLogger(__name__)
 
 NAME = "cosine_kernels"
 HEADER = Path(__file__).parent / "csrc" / "cosine_kernels.h"
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_linear.cpp", "attention_rows.cpp", "decoder_step.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("packed_linear.cpp", "attention_rows.cpp", "decoder_step.cpp", "greedy_head.cpp")]
 # -fopenmp: at::parallel_for's OpenMP backend is inline in ATen's headers (without it: one thread)
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
@@ -48,7 +50,9 @@ SCHEMAS = ["kernel_supported(ScalarType dtype) -> bool", "pack_weight(Tensor w) 
            "decoder_step(Tensor x, Tensor[] ln1, Tensor[] ln2, Tensor[] qkv_w, Tensor?[] qkv_b, Tensor[] o_w, "
            "Tensor?[] o_b, Tensor[] gate_up_w, Tensor?[] gate_up_b, Tensor[] down_w, Tensor?[] down_b, "
            "Tensor cache_k, Tensor cache_v, Tensor cos, Tensor sin, Tensor kv_index, Tensor slots, Tensor prefix, "
-           "Tensor offsets, Tensor index, int nh, int nkv, int hd, int intermediate, float eps, float scale) -> Tensor"]
+           "Tensor offsets, Tensor index, int nh, int nkv, int hd, int intermediate, float eps, float scale) -> Tensor",
+           "greedy_tokens(Tensor x, Tensor screen, Tensor packed, float w_norm, float wb_norm, float d_norm, "
+           "int max_candidates) -> (Tensor, Tensor)"]
 _schemas_only = None  # keeps the schema-only library alive when the build is missing
 
 

@@ -49,8 +49,9 @@ def test_the_bound_holds_for_every_logit():
         x = torch.randn(8, 576, generator=gen) * scale
         approx = torch.ops.cosine.packed_linear(x.bfloat16(), head.screen).double()
         exact = _full(packed)(x).double()
-        bound = head.bound(x, approx.bfloat16())
+        tokens, bound = head.screened(x)
         assert ((exact - approx).abs() <= bound[:, None]).all()
+        assert torch.equal(tokens, exact.argmax(dim=1))
         # and it is no formality: the screen is off by more than a rounding of the exact logits
         assert ((exact - approx).abs() > exact.abs() * 2.0 ** -20).any()
 
@@ -86,6 +87,10 @@ def test_rows_it_cannot_screen_take_the_full_head_or_raise():
     assert torch.equal(head.tokens(x, full), full(x).argmax(dim=1))
     with pytest.raises(ValueError, match="no full head"):
         head.tokens(x)
+    tokens, _ = head.screened(x)
+    assert tokens[1] == -1 and tokens[0] == full(x[:1]).argmax()
+    few, _ = torch.ops.cosine.greedy_tokens(x[:1], head.screen, packed, head.w_norm, head.wb_norm, head.d_norm, 0)
+    assert few.tolist() == [-1]  # more candidates than allowed: the caller's full head
 
 
 def test_the_engine_uses_it_for_greedy_rows_and_logits_elsewhere(tiny_models):
