@@ -2,8 +2,12 @@
 
     git show BASE:services/cosine/engine/llama.py > /tmp/old_llama.py
     PYTHONPATH=services python tools/measure_engine_ab.py --old /tmp/old_llama.py --threads 1 --repeats 21
+    PYTHONPATH=services python tools/measure_engine_ab.py --off COSINE_HUGE_PAGES --threads 2 --dtypes float32
+    PYTHONPATH=services python tools/measure_engine_ab.py --off COSINE_GREEDY_HEAD --logits greedy --dtypes float32
 
-`old` is the module file given, `new` the checkout's cosine.engine.llama. Cases: one-token decode and a
+`old` is the module file given (or, with --off VAR, the checkout's engine loaded with VAR=0), `new` the
+checkout's cosine.engine.llama. With --logits greedy each row asks for its greedy token alone (as a greedy
+request's verification does), else for its logits. Cases: one-token decode and a
 16-node tree (depth 3) at batch 1 and 8 over a 128-token context, fp32 and bf16, interleaved round by round
 so that machine noise falls on both alike. Prints the median and the minimum of each. With --threads 1 the
 clock is the thread's CPU time (a descheduled step does not accrue it: robust on a shared machine); with
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import random
 import statistics
 import sys
@@ -33,23 +38,29 @@ def load_old(path: str):
     return mod
 
 
-def batch(mod, kind: str, n: int, ctx: int, rng: random.Random, vocab: int):
+def batch(mod, kind: str, n: int, ctx: int, rng: random.Random, vocab: int, logits: str):
     out = []
     for slot in range(n):
         if kind == "decode":
-            out.append(mod.Seq(slot, [rng.randrange(vocab)], [ctx]))
+            out.append(mod.Seq(slot, [rng.randrange(vocab)], [ctx], logits=logits))
         else:
             parents = [-1] + [p + 1 for p in PARENTS16]
             depth = [0]
             for p in parents[1:]:
                 depth.append(depth[p] + 1)
-            out.append(mod.Seq(slot, [rng.randrange(vocab) for _ in parents], [ctx + d for d in depth], parents))
+            out.append(mod.Seq(slot, [rng.randrange(vocab) for _ in parents], [ctx + d for d in depth], parents,
+                               logits=logits))
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--old", required=True, help="path of the other version's llama.py")
+    other = ap.add_mutually_exclusive_group(required=True)
+    other.add_argument("--old", help="path of the other version's llama.py")
+    other.add_argument("--off", metavar="VAR", help="old: this checkout's engine loaded with the environment's VAR=0 "
+                                                    "(COSINE_HUGE_PAGES, COSINE_GREEDY_HEAD, COSINE_KERNELS)")
+    ap.add_argument("--logits", choices=["all", "greedy"], default="all",
+                    help="what each row asks for: its logits, or its greedy token alone")
     ap.add_argument("--model", default=None, help="model directory (default: the zoo's target)")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--threads", type=int, default=1)
@@ -60,7 +71,7 @@ def main() -> None:
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     from cosine.engine import llama as new
 
-    old = load_old(args.old)
+    old = load_old(args.old) if args.old else new
     if args.model is None:
         from cosine.zoo.prepare import prepare_target
 
@@ -69,7 +80,14 @@ def main() -> None:
     engines = {}
     for dt in args.dtypes.split(","):
         for name, mod in (("old", old), ("new", new)):
+            saved = os.environ.get(args.off) if args.off else None
+            if args.off and name == "old":
+                os.environ[args.off] = "0"
             m = mod.NativeLlama.from_pretrained(args.model, dtype=dt, max_positions=args.context + 64)
+            if args.off:
+                os.environ.pop(args.off, None)
+                if saved is not None:
+                    os.environ[args.off] = saved
             c = m.new_cache(8, args.context + 64)
             for _ in range(8):
                 c.allocate()
@@ -80,7 +98,7 @@ def main() -> None:
     for r in range(args.repeats + 1):  # round 0 warms up
         for key, (mod, m, c) in engines.items():
             for kind, n in CASES:
-                b = batch(mod, kind, n, args.context, rng, m.spec.vocab_size)
+                b = batch(mod, kind, n, args.context, rng, m.spec.vocab_size, args.logits)
                 t0 = clock()
                 m.forward(b, c)
                 ms = (clock() - t0) * 1e3

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from cosine.engine import kernels
+from cosine.engine.hugepages import on_huge_pages
 
 # More candidates than this in one call (never seen on the target) and the full head is cheaper.
 MAX_CANDIDATES = 1024
@@ -46,7 +47,7 @@ class GreedyHead:
         w = packed.permute(0, 2, 1).reshape(self.vocab, k)  # rows in vocabulary order (a copy, freed below)
         wb = w.to(torch.bfloat16)
         d = w - wb.float()
-        self.screen = torch.ops.cosine.pack_weight(wb)
+        self.screen = on_huge_pages([torch.ops.cosine.pack_weight(wb)])[0]
         self.w_norm = float(w.double().norm(dim=1).max())
         self.wb_norm = float(wb.double().norm(dim=1).max())
         self.d_norm = float(d.double().norm(dim=1).max())

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from cosine.engine import kernels, layers
 from cosine.engine.greedy_head import GreedyHead
+from cosine.engine.hugepages import on_huge_pages
 from cosine.engine.kv_cache import SlotKVCache
 from cosine.engine.sampling import greedy_tokens
 
@@ -330,6 +331,8 @@ class NativeLlama:
                 L.qkv_w, L.o_w = self._pack(unpacked[f"{i}.qkv"]), self._pack(unpacked[f"{i}.o"])
                 L.gate_up_w, L.down_w = self._pack(unpacked[f"{i}.gate_up"]), self._pack(unpacked[f"{i}.down"])
         unpacked.clear()
+        if self.kernel and self.device.type == "cpu":  # the kernel's packed weights on huge pages (`hugepages`)
+            self._huge_pages()
         # greedy_head: rows that need only their greedy token take it from a bf16 screen of the fp32 head and the
         # few close candidates exact (`GreedyHead`: bitwise the full head's argmax, half its bytes; one decode
         # row's head 2.5 against 1.5 ms here). fp32 on CoSine's kernels, where the CPU also runs the bf16 one;
@@ -471,6 +474,15 @@ class NativeLlama:
                            dtype=self.dtype, device=self.device)
 
     # -- the forward --------------------------------------------------------------------
+
+    def _huge_pages(self) -> None:
+        """Move the layers' and the head's packed weights into one huge-page mapping (`on_huge_pages`)."""
+        names = ("qkv_w", "o_w", "gate_up_w", "down_w")
+        moved = on_huge_pages([getattr(L, n) for L in self.layers for n in names] + [self.lm_head])
+        self.lm_head = moved.pop()
+        for i, L in enumerate(self.layers):
+            for j, n in enumerate(names):
+                setattr(L, n, moved[i * len(names) + j])
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         if self.kernel:
