@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--context", type=int, default=128)
     args = ap.parse_args()
+    if args.old and args.logits == "greedy":
+        ap.error("--logits greedy needs --off: an older llama.py may not know greedy rows (it would skip their head)")
     torch.set_num_threads(args.threads)
     clock = time.thread_time if args.threads == 1 else time.perf_counter
     from cosine.engine import llama as new
