@@ -6,10 +6,11 @@ the head (56 MB, CoSine's bf16 kernel) and bounds, for every vocabulary row t at
 logit A_t can be from the exact one E_t (what the fp32 head, CoSine's fp32 kernel, gives that row): |E_t - A_t| <= B.
 A row t with A_t < max(A) - 2B cannot be the argmax (E_t <= A_t + B < max(A) - B <= E_t* for t* = argmax A),
 so the argmax of E over the vocabulary is the argmax over the candidates left, whose exact logits are recomputed
-with the fp32 kernel on their own weight rows. Each of the kernel's output lanes adds its products in increasing
-k whatever the other columns and rows of the call, so those logits are bitwise the full head's, and the tie rule
-(the first index of the maximum, as torch.argmax) is kept by taking candidates in index order. On the target's
-final hidden states the cut leaves a median of 2 candidates (90th percentile 7, at most 28 in 193 rows).
+from the packed fp32 panel that holds each, with the fp32 kernel's sequence of fused multiply-adds (each output
+lane adds its products in increasing k from +0, whatever the other columns and rows of a call): bitwise the full
+head's logits. The tie rule (the first index of the maximum, as torch.argmax) is kept by taking candidates in
+index order. On the target's final hidden states the cut leaves a median of 2 candidates (90th percentile 7, at
+most 28 in 193 rows).
 
 The bound B for a row x (fp32, K elements), with xb = bf16(x), e = x - xb, and over the head's rows w (fp32),
 wb = bf16(w), d = w - wb, u = 2^-24, g = K u / (1 - K u):
