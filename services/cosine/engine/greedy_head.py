@@ -30,6 +30,7 @@ import torch
 
 from cosine.engine import kernels
 from cosine.engine.hugepages import on_huge_pages
+from cosine.engine.sampling import greedy_tokens
 
 # More candidates than this in one call (never seen on the target) and the full head is cheaper.
 MAX_CANDIDATES = 1024
@@ -78,4 +79,4 @@ class GreedyHead:
     def _full(x: torch.Tensor, full) -> torch.Tensor:
         if full is None:
             raise ValueError("GreedyHead: a row the screen cannot serve, and no full head to fall back on")
-        return full(x).argmax(dim=1)
+        return torch.tensor(greedy_tokens(full(x)), dtype=torch.long, device=x.device)
